@@ -1,0 +1,132 @@
+// common.cuh: the parameter block every cuflash kernel receives, batch/head offset arithmetic,
+// and thin wrappers over the PTX instructions the tensor-core kernels use (cp.async, ldmatrix,
+// mma.sync, ex2). No CUDA headers are included: NVRTC then needs no include path, and the same
+// source compiles without a GPU or a toolkit on the machine.
+#pragma once
+
+namespace cuflash {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// Element-type tags. Storage is raw 16-bit; arithmetic happens in fp32 or on the tensor cores.
+struct bf16 { u16 bits; };
+struct fp16 { u16 bits; };
+
+constexpr int kMaxLead = 4;  // leading (batch) dims after Python has merged what it can
+
+// Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
+// without caring about padding rules; cuflash/_api.py owns the field order (FWD_PARAM_FIELDS).
+struct FwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;        // (..., nq, dv) contiguous, same dtype as q
+    float* l;       // (..., nq) contiguous
+    float* m;       // (..., nq) contiguous
+    i64 nq, nk, d, dv;
+    i64 num_batch;                 // product of lead_shape
+    i64 lead_shape[kMaxLead];      // output leading dims, outermost first, padded with 1s in front
+    i64 q_lead_stride[kMaxLead];   // element strides; 0 where the input is broadcast
+    i64 k_lead_stride[kMaxLead];
+    i64 v_lead_stride[kMaxLead];
+    i64 q_row_stride, k_row_stride, v_row_stride;
+    i64 kv_group;                  // q heads per k/v head along the last leading dim (GQA), else 1
+    double scale;                  // S = scale * q k^T
+    double scale_log2;             // scale * log2(e): softmax runs on exp2
+};
+
+// Offsets of one (batch..., head) slice in q, k and v. GQA divides the last coordinate for k/v.
+struct BatchOffsets { i64 q, k, v; };
+
+__device__ __forceinline__ BatchOffsets batch_offsets(const FwdParams& p, i64 flat) {
+    BatchOffsets off = {0, 0, 0};
+#pragma unroll
+    for (int i = kMaxLead - 1; i >= 0; --i) {
+        const i64 c = flat % p.lead_shape[i];
+        flat /= p.lead_shape[i];
+        const i64 ckv = (i == kMaxLead - 1) ? c / p.kv_group : c;
+        off.q += c * p.q_lead_stride[i];
+        off.k += ckv * p.k_lead_stride[i];
+        off.v += ckv * p.v_lead_stride[i];
+    }
+    return off;
+}
+
+// The flat (batch..., head) index of this CTA: grid.y * grid.z covers num_batch (y alone is
+// limited to 65535).
+__device__ __forceinline__ i64 flat_batch_index() {
+    return (i64)blockIdx.z * gridDim.y + blockIdx.y;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// 2^x on the SFU. ftz is harmless here: arguments are <= 0 and results below 2^-126 are
+// negligible next to the row's largest term, which is exactly 1.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ---- conversions -------------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 pack2<fp16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// ---- asynchronous copies -----------------------------------------------------------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16-byte global->shared copy; when `valid` is false the destination is zero-filled and the
+// source is not read (src-size 0), which is how ragged tile edges and padded head dims become 0.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- ldmatrix / mma ----------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D += A * B for one m16n8k16 tile, fp32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <>
+__device__ __forceinline__ void mma_16816<bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<fp16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+}  // namespace cuflash

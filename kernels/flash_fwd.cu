@@ -1,0 +1,256 @@
+// flash_fwd.cu: the tiled forward pass (FlashAttention, Algorithm 1, in FlashAttention-2's
+// loop order) for float16 / bfloat16 on tensor cores (sm_80 and newer).
+//
+// One CTA owns BR query rows of one (batch..., head) slice and walks the key/value tiles of
+// BC rows. Each warp owns 16 query rows, so the softmax statistics of a row never leave the
+// warp. Per key tile:
+//     S = Q K^T          mma.sync m16n8k16, Q and K read from shared memory with ldmatrix
+//     online softmax     running max m and sum l, O rescaled when m grows (softmax.cuh)
+//     O += P V           P stays in registers: the accumulator layout of S is the A-operand
+//                        layout of the next mma, so P is only packed to 16 bits
+// Tiles reach shared memory through 16-byte cp.async, two stages deep: tile t+1 is in flight
+// while tile t is computed. S and P never touch device memory; O, l, m are written once.
+//
+// Every tile size is a template argument chosen by cuflash/_config.py; nothing here picks one.
+#include "common.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+
+namespace cuflash {
+
+// Shared-memory rows are padded by 8 elements (16 bytes). Rows hold an even number of
+// 16-byte chunks, so the padded pitch is an odd number of chunks and the 8 rows one
+// ldmatrix phase reads fall in 8 distinct 16-byte bank groups.
+constexpr int kSmemPad = 8;
+
+// Copies rows [row0, row0 + ROWS) and columns [0, COLS) of a row-major global matrix into
+// shared memory (pitch PITCH). Rows at or past `nrows` and columns at or past `ncols` (both
+// multiples of 8) are zero-filled, never read: ragged ends and padded head dims become 0.
+template <int ROWS, int COLS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_stride, i64 row0,
+                                                i64 nrows, i64 ncols, int tid) {
+    constexpr int CHUNKS = COLS / 8;
+    constexpr int TOTAL = ROWS * CHUNKS;
+    constexpr int ITERS = (TOTAL + NT - 1) / NT;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int i = tid + it * NT;
+        if (TOTAL % NT == 0 || i < TOTAL) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const bool valid = (row0 + r < nrows) && (c * 8 < ncols);
+            const T* src = valid ? gmem + (row0 + r) * row_stride + c * 8 : gmem;
+            cp_async_16(smem_addr(smem + r * PITCH + c * 8), src, valid);
+        }
+    }
+}
+
+template <int HD, int HDV, int BR, int BC>
+struct FwdSmemLayout {
+    static constexpr int q_pitch = (HD > HDV ? HD : HDV) + kSmemPad;  // O is staged here too
+    static constexpr int k_pitch = HD + kSmemPad;
+    static constexpr int v_pitch = HDV + kSmemPad;
+    static constexpr int q_elems = BR * q_pitch;
+    static constexpr int k_elems = BC * k_pitch;  // per stage
+    static constexpr int v_elems = BC * v_pitch;  // per stage
+    static constexpr int bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
+};
+
+template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(NWARPS * 32, MINB)
+flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+    static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
+    static_assert(HD % 16 == 0 && HDV % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
+    constexpr int NT = NWARPS * 32;
+    using L = FwdSmemLayout<HD, HDV, BR, BC>;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    {   // Python sizes the launch from the same layout; fail loudly if the two ever drift.
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)L::bytes) __trap();
+    }
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + L::q_elems;
+    T* sV = sK + 2 * L::k_elems;
+
+    const i64 bidx = flat_batch_index();
+    if (bidx >= p.num_batch) return;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // Causal: the last query tiles see the most keys; launch them first to shorten the tail.
+    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const i64 q0 = (i64)q_tile * BR;
+    const i64 nq = p.nq, nk = p.nk;
+
+    const BatchOffsets off = batch_offsets(p, bidx);
+    const T* gQ = static_cast<const T*>(p.q) + off.q;
+    const T* gK = static_cast<const T*>(p.k) + off.k;
+    const T* gV = static_cast<const T*>(p.v) + off.v;
+
+    const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
+    const i64 kv_end = key_limit<CAUSAL>(q_end, nq, nk);
+    const int n_tiles = (int)((kv_end + BC - 1) / BC);
+
+    // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8 of its warp's
+    // 16, and columns 2*(lane%4) and 2*(lane%4)+1 of every 8-wide column tile.
+    const i64 my_q[2] = {q0 + warp * 16 + lane / 4, q0 + warp * 16 + lane / 4 + 8};
+    const int my_col = 2 * (lane % 4);
+    const float scale_log2 = (float)p.scale_log2;
+
+    float acc_o[HDV / 8][4];
+#pragma unroll
+    for (int n = 0; n < HDV / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    OnlineSoftmax<2> softmax;
+    softmax.init();
+
+    if (n_tiles > 0) {
+        load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
+        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, 0, nk, p.d, tid);
+        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, 0, nk, p.dv, tid);
+        cp_async_commit();
+    }
+
+    for (int t = 0; t < n_tiles; ++t) {
+        // Tile t has landed, and every warp is done with tile t-1, whose buffers we refill.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (t + 1 < n_tiles) {
+            const int stage = (t + 1) & 1;
+            const i64 k_next = (i64)(t + 1) * BC;
+            load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride,
+                                                    k_next, nk, p.d, tid);
+            load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride,
+                                                     k_next, nk, p.dv, tid);
+        }
+        cp_async_commit();
+        const T* cK = sK + (t & 1) * L::k_elems;
+        const T* cV = sV + (t & 1) * L::v_elems;
+        const i64 k0 = (i64)t * BC;
+
+        // -- S = Q K^T (raw scores, fp32) --
+        float acc_s[BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 a[4];  // rows lane%16 of the warp's 16, columns kk*16 + (lane/16)*8
+            ldmatrix_x4(a, smem_addr(sQ + (warp * 16 + lane % 16) * L::q_pitch + kk * 16 +
+                                     (lane / 16) * 8));
+#pragma unroll
+            for (int nn = 0; nn < BC / 16; ++nn) {
+                u32 b[4];  // keys nn*16 + lane%8 (+8 for lanes 16..31), dims +8 for odd octets
+                ldmatrix_x4(b, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::k_pitch +
+                                         kk * 16 + ((lane / 8) % 2) * 8));
+                mma_16816<T>(acc_s[2 * nn], a, b[0], b[1]);
+                mma_16816<T>(acc_s[2 * nn + 1], a, b[2], b[3]);
+            }
+        }
+
+        // -- mask: only tiles crossing the key end or the causal diagonal --
+        if (tile_needs_mask<CAUSAL>(q0, k0, BC, nq, nk)) {
+#pragma unroll
+            for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const i64 key = k0 + n * 8 + my_col + (e & 1);
+                    if (!key_allowed<CAUSAL>(my_q[e / 2], key, nq, nk)) acc_s[n][e] = neg_inf();
+                }
+        }
+
+        // -- online softmax: new row max, rescale O and l, P = exp(scale * (S - m)) --
+        float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n) {
+            tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[n][0], acc_s[n][1]));
+            tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[n][2], acc_s[n][3]));
+        }
+        float base[2], correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            correction[r] = softmax.advance(r, quad_max(tile_max[r]), scale_log2, base[r]);
+#pragma unroll
+        for (int n = 0; n < HDV / 8; ++n) {
+            acc_o[n][0] *= correction[0];
+            acc_o[n][1] *= correction[0];
+            acc_o[n][2] *= correction[1];
+            acc_o[n][3] *= correction[1];
+        }
+        // P packed to 16 bits as m16k16 A fragments: key columns 16kk..16kk+15 come from the
+        // accumulator tiles 2kk (a0: row r, a1: row r+8) and 2kk+1 (a2, a3).
+        u32 p_frag[BC / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float* s = acc_s[2 * kk + half];
+                const float p0 = fast_exp2(s[0] * scale_log2 - base[0]);
+                const float p1 = fast_exp2(s[1] * scale_log2 - base[0]);
+                const float p2 = fast_exp2(s[2] * scale_log2 - base[1]);
+                const float p3 = fast_exp2(s[3] * scale_log2 - base[1]);
+                softmax.l[0] += p0 + p1;
+                softmax.l[1] += p2 + p3;
+                p_frag[kk][2 * half] = pack2<T>(p0, p1);
+                p_frag[kk][2 * half + 1] = pack2<T>(p2, p3);
+            }
+        }
+
+        // -- O += P V (V read transposed by ldmatrix.trans) --
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+            for (int nd = 0; nd < HDV / 16; ++nd) {
+                u32 b[4];  // keys kk*16 + lane%8 (+8 for odd octets), dims nd*16 (+8, lanes 16..31)
+                ldmatrix_x4_trans(b, smem_addr(cV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) *
+                                                   L::v_pitch + nd * 16 + (lane / 16) * 8));
+                mma_16816<T>(acc_o[2 * nd], p_frag[kk], b[0], b[1]);
+                mma_16816<T>(acc_o[2 * nd + 1], p_frag[kk], b[2], b[3]);
+            }
+        }
+    }
+
+    // -- epilogue: O /= l, staged through this warp's own Q rows for 16-byte stores --
+    float inv_l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(softmax.l[r]);
+        softmax.l[r] = l;
+        inv_l[r] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
+    }
+    T* sO = sQ + warp * 16 * L::q_pitch;  // only this warp ever read these rows
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < HDV / 8; ++n) {
+        const int col = n * 8 + my_col;
+        *reinterpret_cast<u32*>(sO + (lane / 4) * L::q_pitch + col) =
+            pack2<T>(acc_o[n][0] * inv_l[0], acc_o[n][1] * inv_l[0]);
+        *reinterpret_cast<u32*>(sO + (lane / 4 + 8) * L::q_pitch + col) =
+            pack2<T>(acc_o[n][2] * inv_l[1], acc_o[n][3] * inv_l[1]);
+    }
+    __syncwarp();
+    T* gO = static_cast<T*>(p.o) + bidx * nq * p.dv;
+    constexpr int O_CHUNKS = HDV / 8;
+#pragma unroll
+    for (int i = lane; i < 16 * O_CHUNKS; i += 32) {
+        const int r = i / O_CHUNKS, c = i % O_CHUNKS;
+        const i64 q = q0 + warp * 16 + r;
+        if (q < nq && c * 8 < p.dv)
+            *reinterpret_cast<uint4*>(gO + q * p.dv + c * 8) =
+                *reinterpret_cast<const uint4*>(sO + r * L::q_pitch + c * 8);
+    }
+    if (lane % 4 == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (my_q[r] < nq) {
+                const i64 idx = bidx * nq + my_q[r];
+                p.l[idx] = softmax.l[r];
+                const float m = softmax.m[r];
+                p.m[idx] = (m == neg_inf()) ? m : m * (float)p.scale;
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

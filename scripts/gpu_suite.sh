@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one call (what every session and reviewer runs on the device):
+#   scripts/gpu_suite.sh [tests] [bench] [compile]     (default: all three)
+# Logs go to $OUT (or ./gpu-logs); a short summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+stages=${*:-tests bench compile}
+summary=()
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import cupy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__)"
+  python3 -c "import torch; print('torch', torch.__version__)" 2>&1
+  git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
+} > "$OUT/env.txt" 2>&1
+for stage in $stages; do
+  case $stage in
+    tests)
+      python3 -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" >/dev/null
+      summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+      ;;
+    bench)
+      python3 -m bench.bench_forward --json "$OUT/bench_forward.json" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
+      summary+=("bench: rc=$? (table above, $OUT/bench.md)")
+      ;;
+    compile)
+      python3 -m cuflash.compile_check > "$OUT/compile_check.txt" 2>&1
+      summary+=("compile: $(tail -n 1 "$OUT/compile_check.txt")")
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+echo; echo "== summary =="; cat "$OUT/env.txt"; printf '%s\n' "${summary[@]}"

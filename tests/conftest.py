@@ -1,0 +1,48 @@
+"""Shared test fixtures: GPU detection and output poisoning."""
+
+import numpy as np
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no libcuda, no device: all mean "no GPU here"
+        return False
+
+
+HAS_GPU = _gpu_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def poisoned_pool():
+    """Every CuPy allocation inside the test starts as all-ones bytes: NaN in fp16, bf16, fp32.
+
+    cuflash allocates its outputs itself, so poisoning the allocator is how a test makes sure
+    every output element was written by the kernel.
+    """
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+
+    def poisoning_malloc(size):
+        mem = pool.malloc(size)
+        mem.memset_async(0xFF, size)
+        return mem
+
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(poisoning_malloc)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(previous)
+        pool.free_all_blocks()
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs per test: the seed comes from the test's id and numpy's entropy."""
+    return np.random.default_rng()

@@ -1,0 +1,61 @@
+"""Helpers for GPU tests: random inputs in each dtype, and the flash-attention error rule."""
+
+import numpy as np
+
+from cuflash import reference as ref
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def random_array(rng, shape, dtype):
+    """Normal values rounded to dtype, as a host array of that dtype."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(np_dtype(dtype))
+
+
+def to_device(a):
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def to_host64(x):
+    return np.asarray(x.get()).astype(np.float64)
+
+
+def max_err(a, b):
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
+def check_forward(out, q, k, v, *, causal, scale=None, dtype):
+    """The kernel's o against float64 within 2x plain attention in dtype; l and m to fp32.
+
+    q, k, v: host arrays (in dtype) the kernel saw. out: the AttentionOutput from cuflash.
+    """
+    o, l, m = (to_host64(x) for x in out)
+    exact = ref.standard_attention(q, k, v, causal=causal, scale=scale)
+    assert o.shape == exact.o.shape and l.shape == exact.l.shape and m.shape == exact.m.shape
+    assert not np.isnan(o).any(), "NaN in o (unwritten output or bad masking)"
+    assert not np.isnan(l).any() and not np.isnan(m).any(), "NaN in l or m"
+    err = max_err(o, exact.o)
+    if dtype == "float32":
+        rel = np.linalg.norm(o - exact.o) / max(np.linalg.norm(exact.o), 1e-30)
+        assert rel < 1e-5, f"float32 relative error {rel:.3g}"
+    else:
+        plain = ref.lowp_attention(q, k, v, dtype=dtype, causal=causal, scale=scale)
+        bound = 2 * max_err(plain.o, exact.o) + 1e-6
+        assert err <= bound, f"max |o - ref| = {err:.3g} > 2 x plain {dtype} error ({bound:.3g})"
+    empty = np.isneginf(exact.m)
+    np.testing.assert_array_equal(np.isneginf(m), empty)
+    np.testing.assert_array_equal(l[empty], 0.0)
+    np.testing.assert_array_equal(o[empty], 0.0)
+    np.testing.assert_allclose(m[~empty], exact.m[~empty], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(l[~empty], exact.l[~empty], rtol=1e-4)
+    return err

@@ -1,0 +1,44 @@
+"""Every kernel variant the dispatcher can pick compiles through NVRTC, without spills.
+
+Needs only NVRTC (no GPU, no driver), so it runs in CI.
+"""
+
+import pytest
+
+from cuflash import _config, compile_check
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return compile_check.check(compile_check.DEFAULT_ARCHS)
+
+
+def test_every_variant_builds_for_each_arch(reports):
+    variants = _config.all_forward_variants()
+    built = {(v.key, arch) for v, arch, _ in reports}
+    assert built == {(v.key, arch) for v in variants for arch in compile_check.DEFAULT_ARCHS}
+
+
+def test_no_variant_spills(reports):
+    spilled = [(v.key, arch, r) for v, arch, r in reports if r["spill_stores"] or r["spill_loads"]]
+    assert not spilled, spilled
+
+
+def test_dispatcher_only_picks_listed_variants():
+    listed = {v.key for v in _config.all_forward_variants()}
+    for dtype in _config.SUPPORTED_DTYPES:
+        for d in range(8, 257, 8):
+            for dv in (8, d, 256):
+                for causal in (False, True):
+                    assert _config.forward_config(dtype, d, dv, causal).key in listed
+
+
+def test_compile_error_is_reported():
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        compile_check.check(["sm_80"], [_BrokenVariant()])
+
+
+class _BrokenVariant:
+    source = "flash_fwd.cu"
+    key = "broken"
+    name_expression = "cuflash::flash_fwd_kernel<cuflash::bf16, 24, 24, 128, 64, 8, 1, false>"
