@@ -172,7 +172,7 @@ def broadcast_layout(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides)
 def _element_strides(x, name):
     itemsize = x.dtype.itemsize
     strides = tuple(s // itemsize for s in x.strides)
-    if x.shape[-1] > 1 and strides[-1] != 1:
+    if x.size and x.shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(
             f"the last dim of {name} must be contiguous (stride 1), got shape {x.shape} with "
             f"element strides {strides}"
