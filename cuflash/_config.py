@@ -40,16 +40,13 @@ class TensorCoreForward:
     dtype: str
     head_dim: int  # padded head dim of q/k (HD)
     head_dim_v: int  # padded head dim of v (HDV)
-    block_rows: int  # BR: query rows per CTA, 16 per warp
+    block_rows: int  # BR: query rows per CTA, a multiple of 16 per warp
     block_cols: int  # BC: keys per tile
+    warps: int
     min_blocks: int  # CTAs per SM promised to the register allocator (__launch_bounds__)
     causal: bool
 
     source = "flash_fwd.cu"
-
-    @property
-    def warps(self) -> int:
-        return self.block_rows // 16
 
     @property
     def threads(self) -> int:
@@ -74,7 +71,7 @@ class TensorCoreForward:
     def key(self) -> str:
         return (
             f"fwd_{self.dtype}_hd{self.head_dim}_hdv{self.head_dim_v}_br{self.block_rows}"
-            f"_bc{self.block_cols}_mb{self.min_blocks}_causal_{str(self.causal).lower()}"
+            f"_bc{self.block_cols}_w{self.warps}_mb{self.min_blocks}_causal_{str(self.causal).lower()}"
         )
 
 
@@ -115,23 +112,25 @@ class Float32Forward:
         return f"fwd_float32_dvt{self.value_tiles}_causal_{str(self.causal).lower()}"
 
 
-# (block_rows, block_cols, min_blocks) per head-dim bucket for the 16-bit forward.
+# (block_rows, block_cols, warps, min_blocks) per head-dim bucket for the 16-bit forward.
+# A warp holds (block_rows / warps / 16) row tiles; per thread O costs head_dim / 8 * 4 fp32
+# registers per row tile and S block_cols / 8 * 4, which is what bounds these choices.
 _TC_FORWARD_TILES = {
-    32: (128, 128, 1),
-    64: (128, 128, 1),
-    96: (128, 64, 1),
-    128: (128, 64, 1),
-    160: (128, 32, 1),
-    192: (128, 32, 1),
-    224: (64, 16, 1),  # O alone is 112-128 fp32 registers a thread: keep S small
-    256: (64, 16, 1),
+    32: (128, 64, 4, 1),
+    64: (128, 64, 4, 1),
+    96: (128, 64, 8, 1),
+    128: (256, 32, 8, 1),
+    160: (128, 32, 8, 1),
+    192: (128, 32, 8, 1),
+    224: (64, 32, 4, 1),
+    256: (64, 32, 4, 1),
 }
 
 
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None):
     """The kernel variant the dispatcher runs for these arguments.
 
-    ``tiles`` = (block_rows, block_cols, min_blocks) overrides the table (used by tuning runs).
+    ``tiles`` = (block_rows, block_cols, warps, min_blocks) overrides the table (used by tuning runs).
     """
     if dtype == "float32":
         value_tiles = -(-dv // 32)
@@ -139,8 +138,8 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None):
         rows_per_warp = 8 if value_tiles <= 2 else 4 if value_tiles <= 4 else 2
         return Float32Forward(value_tiles, bool(causal), rows_per_warp=rows_per_warp)
     hd = head_dim_bucket(max(d, dv))  # one bucket for both keeps the variant count small
-    br, bc, mb = tiles or _TC_FORWARD_TILES[hd]
-    return TensorCoreForward(dtype, hd, hd, br, bc, mb, bool(causal))
+    br, bc, warps, mb = tiles or _TC_FORWARD_TILES[hd]
+    return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal))
 
 
 def all_forward_variants():
@@ -157,7 +156,7 @@ def all_forward_variants():
 
 @contextlib.contextmanager
 def forward_tiles_override(tiles_by_bucket):
-    """Temporarily replace table entries {head_dim_bucket: (block_rows, block_cols, min_blocks)}.
+    """Temporarily replace table entries {head_dim_bucket: (block_rows, block_cols, warps, min_blocks)}.
 
     For tuning runs (bench/tune_forward.py) that compare tile sizes in one process.
     """

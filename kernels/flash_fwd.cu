@@ -2,8 +2,8 @@
 // loop order) for float16 / bfloat16 on tensor cores (sm_80 and newer).
 //
 // One CTA owns BR query rows of one (batch..., head) slice and walks the key/value tiles of
-// BC rows. Each warp owns 16 query rows, so the softmax statistics of a row never leave the
-// warp. Per key tile:
+// BC rows. Each warp owns BR / NWARPS query rows (one or more 16-row mma tiles), so the
+// softmax statistics of a row never leave the warp. Per key tile:
 //     S = Q K^T          mma.sync m16n8k16, Q and K read from shared memory with ldmatrix
 //     online softmax     running max m and sum l, O rescaled when m grows (softmax.cuh)
 //     O += P V           P stays in registers: the accumulator layout of S is the A-operand
@@ -58,9 +58,13 @@ struct FwdSmemLayout {
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
-    static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
+    // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
+    // memory feeds MT mmas, which is what keeps ldmatrix bandwidth below the mma rate.
+    constexpr int MT = BR / (16 * NWARPS);
+    static_assert(MT * 16 * NWARPS == BR && MT >= 1, "BR must be a multiple of 16 * NWARPS");
     static_assert(HD % 16 == 0 && HDV % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
     constexpr int NT = NWARPS * 32;
+    constexpr int WR = 16 * MT;  // query rows per warp
     using L = FwdSmemLayout<HD, HDV, BR, BC>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -90,18 +94,21 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     const i64 kv_end = key_limit<CAUSAL>(q_end, nq, nk);
     const int n_tiles = (int)((kv_end + BC - 1) / BC);
 
-    // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8 of its warp's
-    // 16, and columns 2*(lane%4) and 2*(lane%4)+1 of every 8-wide column tile.
-    const i64 my_q[2] = {q0 + warp * 16 + lane / 4, q0 + warp * 16 + lane / 4 + 8};
+    // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8 of each
+    // 16-row tile, and columns 2*(lane%4) and 2*(lane%4)+1 of every 8-wide column tile.
+    // Its rows are numbered r = 2*mt + half: query warp_q0 + 16*mt + lane/4 + 8*half.
+    const i64 warp_q0 = q0 + warp * WR;
     const int my_col = 2 * (lane % 4);
     const float scale_log2 = (float)p.scale_log2;
 
-    float acc_o[HDV / 8][4];
+    float acc_o[MT][HDV / 8][4];
 #pragma unroll
-    for (int n = 0; n < HDV / 8; ++n)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
-    OnlineSoftmax<2> softmax;
+        for (int n = 0; n < HDV / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][n][e] = 0.f;
+    OnlineSoftmax<2 * MT> softmax;
     softmax.init();
 
     if (n_tiles > 0) {
@@ -129,71 +136,86 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         const i64 k0 = (i64)t * BC;
 
         // -- S = Q K^T (raw scores, fp32) --
-        float acc_s[BC / 8][4];
+        float acc_s[MT][BC / 8][4];
 #pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
+            for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
+        // Not unrolled: unrolling lets the compiler hoist every Q fragment of the tile into
+        // registers at once (HD/16 * MT * 4 of them), which spills at MT = 2.
+#pragma unroll 1
         for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 a[4];  // rows lane%16 of the warp's 16, columns kk*16 + (lane/16)*8
-            ldmatrix_x4(a, smem_addr(sQ + (warp * 16 + lane % 16) * L::q_pitch + kk * 16 +
-                                     (lane / 16) * 8));
+            u32 a[MT][4];  // rows lane%16 of each 16-row tile, columns kk*16 + (lane/16)*8
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], smem_addr(sQ + (warp * WR + mt * 16 + lane % 16) * L::q_pitch +
+                                             kk * 16 + (lane / 16) * 8));
 #pragma unroll
             for (int nn = 0; nn < BC / 16; ++nn) {
                 u32 b[4];  // keys nn*16 + lane%8 (+8 for lanes 16..31), dims +8 for odd octets
                 ldmatrix_x4(b, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::k_pitch +
                                          kk * 16 + ((lane / 8) % 2) * 8));
-                mma_16816<T>(acc_s[2 * nn], a, b[0], b[1]);
-                mma_16816<T>(acc_s[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(acc_s[mt][2 * nn], a[mt], b[0], b[1]);
+                    mma_16816<T>(acc_s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+                }
             }
         }
 
         // -- mask: only tiles crossing the key end or the causal diagonal --
-        if (tile_needs_mask<CAUSAL>(q0, k0, BC, nq, nk)) {
+        if (tile_needs_mask<CAUSAL>(warp_q0, k0, BC, nq, nk)) {
 #pragma unroll
-            for (int n = 0; n < BC / 8; ++n)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const i64 key = k0 + n * 8 + my_col + (e & 1);
-                    if (!key_allowed<CAUSAL>(my_q[e / 2], key, nq, nk)) acc_s[n][e] = neg_inf();
-                }
+                for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const i64 q = warp_q0 + mt * 16 + lane / 4 + 8 * (e / 2);
+                        const i64 key = k0 + n * 8 + my_col + (e & 1);
+                        if (!key_allowed<CAUSAL>(q, key, nq, nk)) acc_s[mt][n][e] = neg_inf();
+                    }
         }
 
         // -- online softmax: new row max, rescale O and l, P = exp(scale * (S - m)) --
-        float tile_max[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-        for (int n = 0; n < BC / 8; ++n) {
-            tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[n][0], acc_s[n][1]));
-            tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[n][2], acc_s[n][3]));
-        }
-        float base[2], correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            correction[r] = softmax.advance(r, quad_max(tile_max[r]), scale_log2, base[r]);
-#pragma unroll
-        for (int n = 0; n < HDV / 8; ++n) {
-            acc_o[n][0] *= correction[0];
-            acc_o[n][1] *= correction[0];
-            acc_o[n][2] *= correction[1];
-            acc_o[n][3] *= correction[1];
-        }
-        // P packed to 16 bits as m16k16 A fragments: key columns 16kk..16kk+15 come from the
+        // P is packed to 16 bits as m16k16 A fragments: key columns 16kk..16kk+15 come from
         // accumulator tiles 2kk (a0: row r, a1: row r+8) and 2kk+1 (a2, a3).
-        u32 p_frag[BC / 16][4];
+        u32 p_frag[MT][BC / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
+        for (int mt = 0; mt < MT; ++mt) {
+            float tile_max[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const float* s = acc_s[2 * kk + half];
-                const float p0 = fast_exp2(s[0] * scale_log2 - base[0]);
-                const float p1 = fast_exp2(s[1] * scale_log2 - base[0]);
-                const float p2 = fast_exp2(s[2] * scale_log2 - base[1]);
-                const float p3 = fast_exp2(s[3] * scale_log2 - base[1]);
-                softmax.l[0] += p0 + p1;
-                softmax.l[1] += p2 + p3;
-                p_frag[kk][2 * half] = pack2<T>(p0, p1);
-                p_frag[kk][2 * half + 1] = pack2<T>(p2, p3);
+            for (int n = 0; n < BC / 8; ++n) {
+                tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[mt][n][0], acc_s[mt][n][1]));
+                tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[mt][n][2], acc_s[mt][n][3]));
+            }
+            float base[2], correction[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                correction[h] = softmax.advance(2 * mt + h, quad_max(tile_max[h]), scale_log2, base[h]);
+#pragma unroll
+            for (int n = 0; n < HDV / 8; ++n) {
+                acc_o[mt][n][0] *= correction[0];
+                acc_o[mt][n][1] *= correction[0];
+                acc_o[mt][n][2] *= correction[1];
+                acc_o[mt][n][3] *= correction[1];
+            }
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float* s = acc_s[mt][2 * kk + half];
+                    const float p0 = fast_exp2(s[0] * scale_log2 - base[0]);
+                    const float p1 = fast_exp2(s[1] * scale_log2 - base[0]);
+                    const float p2 = fast_exp2(s[2] * scale_log2 - base[1]);
+                    const float p3 = fast_exp2(s[3] * scale_log2 - base[1]);
+                    softmax.l[2 * mt] += p0 + p1;
+                    softmax.l[2 * mt + 1] += p2 + p3;
+                    p_frag[mt][kk][2 * half] = pack2<T>(p0, p1);
+                    p_frag[mt][kk][2 * half + 1] = pack2<T>(p2, p3);
+                }
             }
         }
 
@@ -205,49 +227,54 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                 u32 b[4];  // keys kk*16 + lane%8 (+8 for odd octets), dims nd*16 (+8, lanes 16..31)
                 ldmatrix_x4_trans(b, smem_addr(cV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) *
                                                    L::v_pitch + nd * 16 + (lane / 16) * 8));
-                mma_16816<T>(acc_o[2 * nd], p_frag[kk], b[0], b[1]);
-                mma_16816<T>(acc_o[2 * nd + 1], p_frag[kk], b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(acc_o[mt][2 * nd], p_frag[mt][kk], b[0], b[1]);
+                    mma_16816<T>(acc_o[mt][2 * nd + 1], p_frag[mt][kk], b[2], b[3]);
+                }
             }
         }
     }
 
     // -- epilogue: O /= l, staged through this warp's own Q rows for 16-byte stores --
-    float inv_l[2];
+    float inv_l[2 * MT];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2 * MT; ++r) {
         const float l = quad_sum(softmax.l[r]);
         softmax.l[r] = l;
         inv_l[r] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
     }
-    T* sO = sQ + warp * 16 * L::q_pitch;  // only this warp ever read these rows
+    T* sO = sQ + warp * WR * L::q_pitch;  // only this warp ever read these rows
     __syncwarp();
 #pragma unroll
-    for (int n = 0; n < HDV / 8; ++n) {
-        const int col = n * 8 + my_col;
-        *reinterpret_cast<u32*>(sO + (lane / 4) * L::q_pitch + col) =
-            pack2<T>(acc_o[n][0] * inv_l[0], acc_o[n][1] * inv_l[0]);
-        *reinterpret_cast<u32*>(sO + (lane / 4 + 8) * L::q_pitch + col) =
-            pack2<T>(acc_o[n][2] * inv_l[1], acc_o[n][3] * inv_l[1]);
-    }
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < HDV / 8; ++n) {
+            const int col = n * 8 + my_col;
+            *reinterpret_cast<u32*>(sO + (mt * 16 + lane / 4) * L::q_pitch + col) =
+                pack2<T>(acc_o[mt][n][0] * inv_l[2 * mt], acc_o[mt][n][1] * inv_l[2 * mt]);
+            *reinterpret_cast<u32*>(sO + (mt * 16 + lane / 4 + 8) * L::q_pitch + col) =
+                pack2<T>(acc_o[mt][n][2] * inv_l[2 * mt + 1], acc_o[mt][n][3] * inv_l[2 * mt + 1]);
+        }
     __syncwarp();
     T* gO = static_cast<T*>(p.o) + bidx * nq * p.dv;
     constexpr int O_CHUNKS = HDV / 8;
 #pragma unroll
-    for (int i = lane; i < 16 * O_CHUNKS; i += 32) {
+    for (int i = lane; i < WR * O_CHUNKS; i += 32) {
         const int r = i / O_CHUNKS, c = i % O_CHUNKS;
-        const i64 q = q0 + warp * 16 + r;
+        const i64 q = warp_q0 + r;
         if (q < nq && c * 8 < p.dv)
             *reinterpret_cast<uint4*>(gO + q * p.dv + c * 8) =
                 *reinterpret_cast<const uint4*>(sO + r * L::q_pitch + c * 8);
     }
     if (lane % 4 == 0) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (my_q[r] < nq) {
-                const i64 idx = bidx * nq + my_q[r];
-                p.l[idx] = softmax.l[r];
+        for (int r = 0; r < 2 * MT; ++r) {
+            const i64 q = warp_q0 + (r / 2) * 16 + lane / 4 + 8 * (r % 2);
+            if (q < nq) {
+                p.l[bidx * nq + q] = softmax.l[r];
                 const float m = softmax.m[r];
-                p.m[idx] = (m == neg_inf()) ? m : m * (float)p.scale;
+                p.m[bidx * nq + q] = (m == neg_inf()) ? m : m * (float)p.scale;
             }
         }
     }
