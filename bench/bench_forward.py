@@ -6,7 +6,7 @@ inputs, forward FLOPs = 4 * seqlen^2 * head_dim * heads * batch (halved when cau
 
     python -m bench.bench_forward                       # the default sweep, bf16
     python -m bench.bench_forward --seqlens 4096 --hdims 128 --causal yes \\
-        --tiles 128,64,1 --tiles 128,128,1             # tuning: one column per tile triple
+        --tiles 128,64,8,1 --tiles 256,32,8,1,2        # tuning: one column per tile entry
 
 Tables go to stdout, progress to stderr, raw numbers to --json FILE. Every call is timed on the
 GPU with its own pair of CUDA events, on PyTorch's current stream when PyTorch is present (so that
@@ -28,6 +28,7 @@ import math
 import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -62,25 +63,29 @@ def problem_shape(seq: int, hdim: int, tokens: int = TOKENS, hidden: int = HIDDE
 
 
 def parse_tiles(text: str) -> tuple:
-    """'BR,BC,MB' -> (block_rows, block_cols, min_blocks), checked against cuflash's rules."""
-    parts = text.replace(" ", "").split(",")
+    """'BR,BC,W,MB[,U]' -> a tile-table entry of cuflash._config (block_rows, block_cols,
+    warps, min_blocks[, qk_unroll]), checked against the kernel's rules."""
     try:
-        br, bc, mb = (int(p) for p in parts)
+        tiles = tuple(int(p) for p in text.replace(" ", "").split(","))
     except ValueError:
+        tiles = ()
+    if len(tiles) not in (4, 5):
         raise argparse.ArgumentTypeError(
-            f"tiles must be three integers 'BR,BC,MB', got {text!r}") from None
-    if br not in (64, 128):
-        raise argparse.ArgumentTypeError(f"block_rows must be 64 or 128, got {br} in {text!r}")
+            f"tiles must be 4 or 5 integers 'BR,BC,W,MB[,U]', got {text!r}")
+    br, bc, warps, mb = tiles[:4]
+    if warps < 1 or br % (16 * warps):
+        raise argparse.ArgumentTypeError(
+            f"block_rows must be a multiple of 16 * warps, got {br} rows, {warps} warps")
     if bc <= 0 or bc % 16:
         raise argparse.ArgumentTypeError(
             f"block_cols must be a positive multiple of 16, got {bc} in {text!r}")
     if mb < 1:
         raise argparse.ArgumentTypeError(f"min_blocks must be at least 1, got {mb} in {text!r}")
-    return (br, bc, mb)
+    return tiles
 
 
 def tile_label(tiles: tuple) -> str:
-    return "cuflash[{},{},{}]".format(*tiles)
+    return "cuflash[" + ",".join(map(str, tiles)) + "]"
 
 
 def causal_modes(choice: str) -> list:
@@ -192,7 +197,17 @@ class Env:
         """Run on PyTorch's current stream when PyTorch is present, else CuPy's."""
         if self.torch is None:
             return contextlib.nullcontext()
-        return self.cupy.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream)
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self.cupy.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream)
+
+    @property
+    def input_source(self) -> str:
+        if self.torch is not None:
+            return "torch.randn"
+        if self.astype_bf16:
+            return "cupy.random.standard_normal + astype"
+        return "cupy.random.standard_normal + float32->bfloat16 rounding kernel"
 
     def free_memory(self) -> None:
         self.cupy.cuda.get_current_stream().synchronize()
@@ -261,6 +276,10 @@ def setup_env(dtype_name: str) -> Env:
                standard_reason, astype_bf16, max(L2_BYTES, int(props.get("l2CacheSize", 0))))
 
 
+def cuda_version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
 def device_info(env: Env) -> dict:
     cupy = env.cupy
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
@@ -269,12 +288,13 @@ def device_info(env: Env) -> dict:
         "gpu": name.decode() if isinstance(name, bytes) else str(name),
         "sms": props.get("multiProcessorCount"),
         "l2_mb": props.get("l2CacheSize", 0) / 1e6,
-        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
-        "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
+        "cuda_runtime": cuda_version(cupy.cuda.runtime.runtimeGetVersion()),
+        "cuda_driver": cuda_version(cupy.cuda.runtime.driverGetVersion()),
         "cupy": cupy.__version__,
         "torch": env.torch.__version__ if env.torch is not None else None,
         "torch_reason": env.torch_reason,
         "commit": git_commit(),
+        "inputs": env.input_source,
     }
 
 
@@ -584,7 +604,8 @@ def header_lines(info: dict, args) -> list:
         f"{info['cuda_runtime']}, driver {info['cuda_driver']}",
         f"cuflash commit {info['commit']}, cupy {info['cupy']}, torch {torch}",
         f"forward, {args.dtype}, {TOKENS} tokens per batch, hidden {HIDDEN}, layout "
-        f"(batch, heads, seq, hdim); median of {args.repeats} calls after {args.warmup} warm-up",
+        f"(batch, heads, seq, hdim), inputs from {info['inputs']}; median of {args.repeats} "
+        f"calls after {args.warmup} warm-up",
     ]
 
 
@@ -664,7 +685,7 @@ def write_json(path: str, info: dict, ceilings: dict, records: list, args, env, 
                      "warmup": args.warmup, "repeats": args.repeats,
                      "tiles": [list(t) for t in args.tiles], "peers": list(args.peers),
                      "standard_dtype": str(env.cupy.dtype(env.standard_dtype)),
-                     "standard_reason": env.standard_reason},
+                     "standard_reason": env.standard_reason, "inputs": env.input_source},
         "ceilings": ceilings,
         "results": records,
         "footnotes": notes.texts,

@@ -45,6 +45,7 @@ class TensorCoreForward:
     warps: int
     min_blocks: int  # CTAs per SM promised to the register allocator (__launch_bounds__)
     causal: bool
+    qk_unroll: int = 2  # unroll of the QK^T k-loop when a warp holds several row tiles
 
     source = "flash_fwd.cu"
 
@@ -64,13 +65,13 @@ class TensorCoreForward:
         return (
             f"cuflash::flash_fwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, "
             f"{self.head_dim_v}, {self.block_rows}, {self.block_cols}, {self.warps}, "
-            f"{self.min_blocks}, {'true' if self.causal else 'false'}>"
+            f"{self.min_blocks}, {'true' if self.causal else 'false'}, {self.qk_unroll}>"
         )
 
     @property
     def key(self) -> str:
         return (
-            f"fwd_{self.dtype}_hd{self.head_dim}_hdv{self.head_dim_v}_br{self.block_rows}"
+            f"fwd_{self.dtype}_u{self.qk_unroll}_hd{self.head_dim}_hdv{self.head_dim_v}_br{self.block_rows}"
             f"_bc{self.block_cols}_w{self.warps}_mb{self.min_blocks}_causal_{str(self.causal).lower()}"
         )
 
@@ -130,7 +131,8 @@ _TC_FORWARD_TILES = {
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None):
     """The kernel variant the dispatcher runs for these arguments.
 
-    ``tiles`` = (block_rows, block_cols, warps, min_blocks) overrides the table (used by tuning runs).
+    ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
+    (used by tuning runs).
     """
     if dtype == "float32":
         value_tiles = -(-dv // 32)
@@ -138,8 +140,8 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None):
         rows_per_warp = 8 if value_tiles <= 2 else 4 if value_tiles <= 4 else 2
         return Float32Forward(value_tiles, bool(causal), rows_per_warp=rows_per_warp)
     hd = head_dim_bucket(max(d, dv))  # one bucket for both keeps the variant count small
-    br, bc, warps, mb = tiles or _TC_FORWARD_TILES[hd]
-    return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal))
+    br, bc, warps, mb, *unroll = tiles or _TC_FORWARD_TILES[hd]
+    return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal), *unroll)
 
 
 def all_forward_variants():

@@ -55,7 +55,8 @@ struct FwdSmemLayout {
     static constexpr int bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
 
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL>
+template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
+          int QK_UNROLL = 2>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
@@ -143,9 +144,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
-        // Not unrolled: unrolling lets the compiler hoist every Q fragment of the tile into
-        // registers at once (HD/16 * MT * 4 of them), which spills at MT = 2.
-#pragma unroll 1
+        // With one row tile a warp, unrolled fully. With more, unrolled by QK_UNROLL only: a
+        // full unroll lets the compiler hoist every Q fragment of the tile into registers at
+        // once (HD/16 * MT * 4 of them), which spills.
+#pragma unroll(MT == 1 ? HD / 16 : QK_UNROLL)
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[MT][4];  // rows lane%16 of each 16-row tile, columns kk*16 + (lane/16)*8
 #pragma unroll

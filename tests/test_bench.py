@@ -50,23 +50,23 @@ def test_defaults():
 def test_options():
     args = bf.parse_args([
         "--seqlens", "512", "2048", "--hdims", "128", "--causal", "yes", "--dtype", "float16",
-        "--repeats", "5", "--json", "out.json", "--tiles", "128,64,1", "--tiles", "64, 32, 2",
+        "--repeats", "5", "--json", "out.json", "--tiles", "128,64,8,1", "--tiles", "64, 32, 4, 2, 4",
         "--peers", "sdpa_flash",
     ])
     assert args.seqlens == [512, 2048] and args.hdims == [128]
     assert args.causal_modes == [True]
     assert args.dtype == "float16" and args.repeats == 5 and args.json == "out.json"
-    assert args.tiles == [(128, 64, 1), (64, 32, 2)]
+    assert args.tiles == [(128, 64, 8, 1), (64, 32, 4, 2, 4)]
     assert args.peers == ["sdpa_flash"]
     assert bf.parse_args(["--causal", "no"]).causal_modes == [False]
 
 
 @pytest.mark.parametrize("argv", [
-    ["--tiles", "128,60,1"],  # block_cols not a multiple of 16
-    ["--tiles", "96,64,1"],  # block_rows not 64 or 128
-    ["--tiles", "128,64"],
-    ["--tiles", "a,b,c"],
-    ["--tiles", "128,64,0"],
+    ["--tiles", "128,60,8,1"],  # block_cols not a multiple of 16
+    ["--tiles", "96,64,4,1"],  # block_rows not a multiple of 16 * warps
+    ["--tiles", "128,64,8"],
+    ["--tiles", "a,b,c,d"],
+    ["--tiles", "128,64,8,0"],
     ["--causal", "maybe"],
     ["--dtype", "float32"],
     ["--repeats", "0"],
@@ -107,7 +107,7 @@ def _entry(ms, flop, status="ok", error=None):
 
 def test_report_layout():
     args = bf.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no",
-                          "--tiles", "128,64,1"])
+                          "--tiles", "128,64,8,1"])
     flop = bf.flops(1024, 64, 32, 16, False)
     record = {"seqlen": 1024, "hdim": 64, "causal": False, "batch": 16, "heads": 32,
               "flops": flop, "backends": {
