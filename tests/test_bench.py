@@ -112,7 +112,7 @@ def test_report_layout():
     record = {"seqlen": 1024, "hdim": 64, "causal": False, "batch": 16, "heads": 32,
               "flops": flop, "backends": {
                   "cuflash": _entry(1.0, flop),
-                  "cuflash[128,64,1]": _entry(1.25, flop),
+                  "cuflash[128,64,8,1]": _entry(1.25, flop),
                   "standard": _entry(None, flop, "oom", "OutOfMemoryError: x"),
                   "sdpa_flash": _entry(2.0, flop),
                   "sdpa_cudnn": _entry(None, flop, "error", "RuntimeError: No available kernel"),
@@ -122,7 +122,7 @@ def test_report_layout():
     notes = bf.Footnotes()
     text = bf.format_tables([record], args, {"matmul_tflops": 275.0}, env, notes)
     assert "cuflash ms" in text and "cuflash TFLOP/s" in text
-    assert "cuflash[128,64,1] ms" in text and "standard (fp16) ms" in text
+    assert "cuflash[128,64,8,1] ms" in text and "standard (fp16) ms" in text
     assert "sdpa_flash TFLOP/s" in text and "sdpa_cudnn ms" in text
     assert "cuflash % of matmul peak" in text
     assert "cuflash / sdpa_flash" in text and "cuflash / sdpa_cudnn" in text
