@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -154,6 +155,9 @@ def log(message: str) -> None:
 
 
 def git_commit() -> str:
+    """The commit measured: $CUFLASH_COMMIT when set (the device copy has no .git), else git's."""
+    if os.environ.get("CUFLASH_COMMIT"):
+        return os.environ["CUFLASH_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=10)

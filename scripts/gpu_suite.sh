@@ -12,7 +12,7 @@ summary=()
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import cupy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__)"
   python3 -c "import torch; print('torch', torch.__version__)" 2>&1
-  git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
+  echo "commit ${CUFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 } > "$OUT/env.txt" 2>&1
 for stage in $stages; do
   case $stage in

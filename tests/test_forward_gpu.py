@@ -170,3 +170,35 @@ def test_torch_tensors_zero_copy(rng):
     assert o.shape == expected.shape and o.dtype == torch.bfloat16
     assert (o.float() - expected).abs().max().item() < 2e-2
     assert cupy.from_dlpack(q).data.ptr == q.data_ptr()  # zero-copy in
+
+
+def test_torch_stream_ordering(rng):
+    """Work queued on a torch side stream is seen by cuflash launched on that stream."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    import cuflash
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        q = torch.randn(8, 2048, 128, device="cuda", dtype=torch.float16)
+        q.mul_(0.5)  # still running when cuflash is launched
+        with cupy.cuda.Stream.from_external(side):
+            o = torch.from_dlpack(cuflash.attention(q, q, q).o)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    side.synchronize()
+    assert (o.float() - expected.float()).abs().max().item() < 5e-3
+
+
+def test_jax_arrays(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash
+
+    q = jax.device_put(jnp.asarray(random_array(rng, (2, 100, 64), "float32").astype(np.float16)))
+    out = cuflash.attention(q, q, q, causal=True)
+    o = np.asarray(jax.dlpack.from_dlpack(out.o))
+    qh = np.asarray(q)
+    check_forward(out, qh, qh, qh, causal=True, dtype="float16")
+    assert o.shape == (2, 100, 64)
