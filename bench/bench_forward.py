@@ -1,12 +1,21 @@
-"""Forward-pass benchmark: cuflash against standard attention and PyTorch SDPA.
+"""Forward and backward benchmark: cuflash against standard attention and PyTorch SDPA.
 
 The harness of the FlashAttention papers: 16k tokens per batch (batch = 16384 // seqlen), hidden
 size 2048 (heads = 2048 // head_dim), layout (batch, heads, seqlen, head_dim), random normal
-inputs, forward FLOPs = 4 * seqlen^2 * head_dim * heads * batch (halved when causal).
+inputs, forward FLOPs = 4 * seqlen^2 * head_dim * heads * batch (halved when causal), backward
+FLOPs = 2.5 x forward FLOPs.
 
-    python -m bench.bench_forward                       # the default sweep, bf16
-    python -m bench.bench_forward --seqlens 4096 --hdims 128 --causal yes \\
+    python -m bench.bench_forward                       # the default sweep, bf16, fwd and bwd
+    python -m bench.bench_forward --modes bwd --seqlens 4096 --hdims 128
+    python -m bench.bench_forward --modes fwd --seqlens 4096 --hdims 128 --causal yes \\
         --tiles 128,64,8,1 --tiles 256,32,8,1,2        # tuning: one column per tile entry
+
+The backward rows time the backward alone, from the same q, k, v and a fixed random dO: the
+forward whose results it needs runs once per input set before the timing. cuflash:
+cuflash.attention_backward(do, q, k, v, o, l, m). SDPA: torch.autograd.grad(out, (q, k, v), dO,
+retain_graph=True) on a graph recorded once. Standard: an explicit CuPy backward from the P the
+standard forward materialised (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+dQ = scale dS K, dK = scale dS^T Q).
 
 Tables go to stdout, progress to stderr, raw numbers to --json FILE. Every call is timed on the
 GPU with its own pair of CUDA events, on PyTorch's current stream when PyTorch is present (so that
@@ -40,6 +49,9 @@ WARMUP = 3
 REPEATS = 30
 DEFAULT_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 DEFAULT_HDIMS = (64, 128)
+MODES = ("fwd", "bwd")
+MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP (five matmuls against two, as in FA2)
 PEERS = ("standard", "sdpa_flash", "sdpa_cudnn")
 SDPA_PEERS = ("sdpa_flash", "sdpa_cudnn")
 MATMUL_N = 8192
@@ -52,10 +64,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # ---- pure helpers (no GPU) ---------------------------------------------------------------
 
 
-def flops(seq: int, hdim: int, heads: int, batch: int, causal: bool) -> float:
-    """Forward FLOPs of attention: two matmuls of 2 * seq^2 * hdim each, per head and batch."""
+def flops(seq: int, hdim: int, heads: int, batch: int, causal: bool, mode: str = "fwd") -> float:
+    """FLOPs of attention. Forward: two matmuls of 2 * seq^2 * hdim each, per head and batch,
+    halved when causal. Backward ("bwd"): 2.5 times the forward's."""
     total = 4 * seq * seq * hdim * heads * batch
-    return total / 2 if causal else float(total)
+    total = total / 2 if causal else float(total)
+    if mode == "bwd":
+        return BWD_FLOP_FACTOR * total
+    if mode != "fwd":
+        raise ValueError(f"mode must be 'fwd' or 'bwd', got {mode!r}")
+    return total
 
 
 def problem_shape(seq: int, hdim: int, tokens: int = TOKENS, hidden: int = HIDDEN) -> tuple:
@@ -106,14 +124,16 @@ def first_line(exc: BaseException) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.bench_forward",
-        description="Forward-pass speed of cuflash against standard attention (CuPy) and "
-                    "PyTorch SDPA (flash, cuDNN), in the FlashAttention papers' harness: "
+        description="Forward and backward speed of cuflash against standard attention (CuPy) "
+                    "and PyTorch SDPA (flash, cuDNN), in the FlashAttention papers' harness: "
                     f"{TOKENS} tokens per batch, hidden {HIDDEN}, layout (batch, heads, seq, hdim).",
     )
     parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
                         metavar="N", help="sequence lengths (default: %(default)s)")
     parser.add_argument("--hdims", type=int, nargs="+", default=list(DEFAULT_HDIMS),
                         metavar="D", help="head dims (default: %(default)s)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="fwd: forward pass; bwd: backward pass alone (default: both)")
     parser.add_argument("--causal", choices=("no", "yes", "both"), default="both",
                         help="causal masking (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
@@ -126,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiles", type=parse_tiles, action="append", default=[],
                         metavar="BR,BC,MB",
                         help="tuning mode: add a column cuflash[BR,BC,MB] run with these forward "
-                             "tiles for the head-dim bucket under test (repeatable)")
+                             "tiles for the head-dim bucket under test (repeatable; forward "
+                             "tables only)")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="peer backends to run (default: all)")
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
@@ -147,6 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (compilation must not be timed)")
     args.causal_modes = causal_modes(args.causal)
+    args.modes = [m for m in MODES if m in args.modes]  # canonical order, no repeats
     return args
 
 
@@ -411,9 +433,11 @@ def measure_ceilings(env: Env, repeats: int) -> dict:
 @dataclasses.dataclass
 class Backend:
     name: str
-    fn: Callable  # fn(q, k, v) -> o
+    fn: Callable  # fn(*args) -> output; args: an input set, or what prepare made of it
     context: Callable = contextlib.nullcontext  # entered around all calls
     convert: Optional[Callable] = None  # applied to each input outside the timing
+    prepare: Optional[Callable] = None  # prepare(*input_set) -> args of fn, untimed
+    max_sets: Optional[int] = None  # use at most this many input sets
     is_cuflash: bool = False
     tiles: Optional[tuple] = None
 
@@ -433,8 +457,28 @@ def cuflash_backend(causal: bool, hdim: int, tiles: Optional[tuple] = None) -> B
                    is_cuflash=True, tiles=tiles)
 
 
-def standard_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Backend:
-    """S = q k^T * scale, causal -inf mask, float32 softmax, P cast back, P v, all in CuPy."""
+def cuflash_backward_backend(causal: bool) -> Backend:
+    """Times cuflash.attention_backward; o, l, m come from a forward run while preparing."""
+    import cuflash
+
+    def prepare(q, k, v, do):
+        o, l, m = cuflash.attention(q, k, v, causal=causal)
+        return do, q, k, v, o, l, m
+
+    def run(do, q, k, v, o, l, m):
+        return tuple(cuflash.attention_backward(do, q, k, v, o, l, m, causal=causal))
+
+    return Backend("cuflash", run, prepare=prepare, is_cuflash=True)
+
+
+def standard_parts(env: Env, causal: bool, nq: int, nk: int, hdim: int):
+    """(forward, backward) of standard attention in CuPy, in env.standard_dtype.
+
+    forward(q, k, v) -> (o, p): S = q k^T * scale, causal -inf mask, float32 softmax, P cast
+    back to the input dtype and kept, o = P v. backward(q, k, v, do, o, p) -> (dq, dk, dv) from
+    that P, nothing recomputed: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)) in
+    float32 then cast back, dQ = scale dS K, dK = scale dS^T Q.
+    """
     cupy = env.cupy
     scale = 1.0 / math.sqrt(hdim)
     bias = None
@@ -443,7 +487,7 @@ def standard_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Bac
         cols = cupy.arange(nk)[None, :]
         bias = cupy.where(cols > rows + (nk - nq), cupy.float32(-cupy.inf), cupy.float32(0))
 
-    def run(q, k, v):
+    def forward(q, k, v):
         s = cupy.matmul(q, k.swapaxes(-1, -2))
         s32 = s.astype(cupy.float32)
         del s
@@ -455,21 +499,62 @@ def standard_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Bac
         s32 /= s32.sum(axis=-1, keepdims=True)
         p = s32.astype(q.dtype)
         del s32
-        return cupy.matmul(p, v)
+        return cupy.matmul(p, v), p
 
+    def backward(q, k, v, do, o, p):
+        dv = cupy.matmul(p.swapaxes(-1, -2), do)
+        dp = cupy.matmul(do, v.swapaxes(-1, -2))
+        delta = (do.astype(cupy.float32) * o.astype(cupy.float32)).sum(axis=-1, keepdims=True)
+        ds32 = dp.astype(cupy.float32)
+        del dp
+        ds32 -= delta
+        ds32 *= p
+        ds32 *= scale
+        ds = ds32.astype(q.dtype)
+        del ds32
+        return cupy.matmul(ds, k), cupy.matmul(ds.swapaxes(-1, -2), q), dv
+
+    return forward, backward
+
+
+def standard_convert(env: Env) -> Callable:
     def convert(x):
         x = as_cupy(env, x)
         return x if x.dtype == env.standard_dtype else x.astype(env.standard_dtype)
+    return convert
 
-    return Backend("standard", run, convert=convert)
+
+def standard_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Backend:
+    """The forward of standard_parts, all in CuPy."""
+    forward, _ = standard_parts(env, causal, nq, nk, hdim)
+
+    def run(q, k, v):
+        return forward(q, k, v)[0]
+
+    return Backend("standard", run, convert=standard_convert(env))
+
+
+def standard_backward_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Backend:
+    """The backward of standard_parts from a materialised P. One input set only: P is
+    batch * heads * seq^2 elements, far beyond any L2, and a second one may not fit."""
+    forward, backward = standard_parts(env, causal, nq, nk, hdim)
+
+    def prepare(q, k, v, do):
+        o, p = forward(q, k, v)
+        return q, k, v, do, o, p
+
+    return Backend("standard", backward, convert=standard_convert(env), prepare=prepare,
+                   max_sets=1)
+
+
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 
 
 def sdpa_backend(env: Env, name: str, causal: bool) -> Backend:
     torch = env.torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    which = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
-             "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    which = getattr(SDPBackend, SDPA_BACKENDS[name])
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def run(q, k, v):
@@ -478,10 +563,34 @@ def sdpa_backend(env: Env, name: str, causal: bool) -> Backend:
     return Backend(name, run, context=lambda: sdpa_kernel(which))
 
 
-def peer_backend(env: Env, name: str, causal: bool, shape: tuple) -> Backend:
+def sdpa_backward_backend(env: Env, name: str, causal: bool) -> Backend:
+    """Times torch.autograd.grad of SDPA's output with a fixed dO, on a graph recorded once
+    per input set while preparing (the backend choice is made by the forward)."""
+    torch = env.torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = getattr(SDPBackend, SDPA_BACKENDS[name])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def prepare(q, k, v, do):
+        leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(which):
+            out = sdpa(*leaves, is_causal=causal)
+        return out, leaves, do
+
+    def run(out, leaves, do):
+        return torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    return Backend(name, run, prepare=prepare)
+
+
+def peer_backend(env: Env, name: str, causal: bool, shape: tuple, mode: str = "fwd") -> Backend:
     if name == "standard":
-        return standard_backend(env, causal, shape[2], shape[2], shape[3])
-    return sdpa_backend(env, name, causal)
+        parts = standard_backend if mode == "fwd" else standard_backward_backend
+        return parts(env, causal, shape[2], shape[2], shape[3])
+    if mode == "fwd":
+        return sdpa_backend(env, name, causal)
+    return sdpa_backward_backend(env, name, causal)
 
 
 # ---- measurements ------------------------------------------------------------------------
@@ -501,12 +610,15 @@ class Measurement:
 
 def run_backend(env: Env, backend: Backend, input_sets: list, warmup: int, repeats: int):
     """Time one backend on the input sets; returns (Measurement, first output)."""
-    sets = input_sets
+    sets = input_sets[:backend.max_sets] if backend.max_sets else input_sets
     if backend.convert is not None:
-        sets = [tuple(backend.convert(x) for x in s) for s in input_sets]
-    with backend.context():
-        times, first = time_call(env.cupy, backend.fn, sets, warmup, repeats)
+        sets = [tuple(backend.convert(x) for x in s) for s in sets]
     dtype = str(getattr(sets[0][0], "dtype", "")).replace("torch.", "")
+    with backend.context():
+        if backend.prepare is not None:
+            sets = [backend.prepare(*s) for s in sets]
+            env.cupy.cuda.get_current_stream().synchronize()
+        times, first = time_call(env.cupy, backend.fn, sets, warmup, repeats)
     return Measurement(times, dtype=dtype), first
 
 
@@ -516,17 +628,19 @@ def is_oom(env: Env, exc: BaseException) -> bool:
     return env.torch is not None and isinstance(exc, env.torch.cuda.OutOfMemoryError)
 
 
-def run_peer(env: Env, name: str, causal: bool, shape: tuple, input_sets, warmup, repeats):
+def run_peer(env: Env, name: str, causal: bool, shape: tuple, input_sets, warmup, repeats,
+             mode: str = "fwd"):
     """A peer never stops the benchmark: its failure becomes an OOM or error Measurement."""
     if name in SDPA_PEERS and env.torch is None:
         return Measurement(status="unavailable", error=env.torch_reason), None
     try:
-        backend = peer_backend(env, name, causal, shape)
+        backend = peer_backend(env, name, causal, shape, mode)
         return run_backend(env, backend, input_sets, warmup, repeats)
     except Exception as exc:
-        oom = is_oom(env, exc)
-        env.free_memory()
-        return Measurement(status="oom" if oom else "error", error=first_line(exc)), None
+        failed = Measurement(status="oom" if is_oom(env, exc) else "error",
+                             error=first_line(exc))
+    env.free_memory()  # after the except block, whose traceback held the failed call's arrays
+    return failed, None
 
 
 def max_abs_diff(env: Env, a, b) -> Optional[float]:
@@ -540,23 +654,51 @@ def max_abs_diff(env: Env, a, b) -> Optional[float]:
         return None
 
 
-def run_config(env: Env, args, hdim: int, seq: int, causal: bool, input_sets, progress) -> dict:
-    """Every backend on one (hdim, seq, causal); returns the JSON record."""
+def max_rel_diff(env: Env, reference: tuple, other: tuple) -> Optional[float]:
+    """max over the gradients (dq, dk, dv) of max|other - reference| / max|reference|."""
+    try:
+        cupy = env.cupy
+        worst = 0.0
+        for a, b in zip(reference, other):
+            x = as_cupy(env, a).astype(cupy.float32)
+            y = as_cupy(env, b).astype(cupy.float32)
+            worst = max(worst, float(cupy.abs(x - y).max()) / max(float(cupy.abs(x).max()), 1e-30))
+        return worst
+    except Exception as exc:
+        log(f"  check failed: {first_line(exc)}")
+        return None
+
+
+def backend_names(args, mode: str) -> list:
+    """Columns of one mode: the tile-override columns tune forward tiles, so fwd only."""
+    tiles = [tile_label(t) for t in args.tiles] if mode == "fwd" else []
+    return ["cuflash"] + tiles + list(args.peers)
+
+
+def run_config(env: Env, args, hdim: int, seq: int, causal: bool, input_sets, progress,
+               mode: str = "fwd") -> dict:
+    """Every backend on one (mode, hdim, seq, causal); returns the JSON record.
+
+    input_sets: (q, k, v) tuples for fwd, (q, k, v, dO) for bwd."""
     shape = problem_shape(seq, hdim)
     batch, heads = shape[0], shape[1]
-    record = {"seqlen": seq, "hdim": hdim, "causal": causal, "batch": batch, "heads": heads,
-              "dtype": env.dtype_name, "flops": flops(seq, hdim, heads, batch, causal),
-              "backends": {}, "max_abs_diff_vs_cuflash": {}}
+    record = {"mode": mode, "seqlen": seq, "hdim": hdim, "causal": causal, "batch": batch,
+              "heads": heads, "dtype": env.dtype_name,
+              "flops": flops(seq, hdim, heads, batch, causal, mode), "backends": {}}
+    check_key = "max_abs_diff_vs_cuflash" if mode == "fwd" else "max_rel_grad_diff_vs_cuflash"
+    record[check_key] = {}
     reference = None
-    names = ["cuflash"] + [tile_label(t) for t in args.tiles] + list(args.peers)
     tiles_by_name = {tile_label(t): t for t in args.tiles}
-    for name in names:
+    for name in backend_names(args, mode):
         if name == "cuflash" or name in tiles_by_name:  # cuflash errors propagate
-            backend = cuflash_backend(causal, hdim, tiles_by_name.get(name))
+            if mode == "fwd":
+                backend = cuflash_backend(causal, hdim, tiles_by_name.get(name))
+            else:
+                backend = cuflash_backward_backend(causal)
             result, out = run_backend(env, backend, input_sets, args.warmup, args.repeats)
         else:
             result, out = run_peer(env, name, causal, shape, input_sets, args.warmup,
-                                   args.repeats)
+                                   args.repeats, mode)
         entry = {"status": result.status, "error": result.error, "dtype": result.dtype,
                  "ms": result.ms, "times_ms": result.times_ms,
                  "tflops": record["flops"] / (result.ms * 1e-3) / 1e12 if result.ms else None}
@@ -565,22 +707,28 @@ def run_config(env: Env, args, hdim: int, seq: int, causal: bool, input_sets, pr
         if reference is None:
             reference = out
         elif out is not None:
-            diff = max_abs_diff(env, reference, out)
-            record["max_abs_diff_vs_cuflash"][name] = diff
+            if mode == "fwd":
+                diff = max_abs_diff(env, reference, out)
+                what = "max|o - o_cuflash|"
+            else:
+                diff = max_rel_diff(env, reference, out)
+                what = "max|d - d_cuflash| / max|d_cuflash| over dq, dk, dv"
+            record[check_key][name] = diff
             if diff is not None:
-                note = f", max|o - o_cuflash| = {diff:.2e}" + (" (LARGE)" if diff > CHECK_WARN else "")
+                note = f", {what} = {diff:.2e}" + (" (LARGE)" if diff > CHECK_WARN else "")
         del out
         if result.ms is not None:
             log(f"{progress} {name:>16}: {result.ms:8.3f} ms {entry['tflops']:7.1f} TFLOP/s{note}")
         else:
             log(f"{progress} {name:>16}: {result.status}: {result.error}")
+        env.free_memory()
     del reference
     return record
 
 
 def run_all(env: Env, args) -> list:
     records = []
-    total = len(args.hdims) * len(args.seqlens) * len(args.causal_modes)
+    total = len(args.modes) * len(args.hdims) * len(args.seqlens) * len(args.causal_modes)
     done = 0
     for hdim in args.hdims:
         for seq in args.seqlens:
@@ -588,11 +736,18 @@ def run_all(env: Env, args) -> list:
             set_bytes = 3 * math.prod(shape) * 2
             count = num_input_sets(set_bytes, env.l2_bytes)
             input_sets = make_inputs(env, shape, count)
-            for causal in args.causal_modes:
-                done += 1
-                progress = f"[{done}/{total}] hdim {hdim} seq {seq} causal {'yes' if causal else 'no'}"
-                log(f"{progress}: shape {shape}, {count} input sets")
-                records.append(run_config(env, args, hdim, seq, causal, input_sets, progress))
+            if "bwd" in args.modes:  # a fixed dO per input set, the same for every backend
+                input_sets = [s + (random_tensor(env, shape),) for s in input_sets]
+            for mode in args.modes:
+                sets = [s[:3] for s in input_sets] if mode == "fwd" else input_sets
+                for causal in args.causal_modes:
+                    done += 1
+                    progress = (f"[{done}/{total}] {mode} hdim {hdim} seq {seq} causal "
+                                f"{'yes' if causal else 'no'}")
+                    log(f"{progress}: shape {shape}, {count} input sets")
+                    records.append(run_config(env, args, hdim, seq, causal, sets, progress,
+                                              mode))
+                del sets
             del input_sets
             env.free_memory()
     return records
@@ -607,7 +762,8 @@ def header_lines(info: dict, args) -> list:
         f"GPU: {info['gpu']} ({info['sms']} SMs, L2 {info['l2_mb']:.0f} MB), CUDA runtime "
         f"{info['cuda_runtime']}, driver {info['cuda_driver']}",
         f"cuflash commit {info['commit']}, cupy {info['cupy']}, torch {torch}",
-        f"forward, {args.dtype}, {TOKENS} tokens per batch, hidden {HIDDEN}, layout "
+        f"{' and '.join(MODE_NAMES[m] for m in getattr(args, 'modes', ['fwd']))}, "
+        f"{args.dtype}, {TOKENS} tokens per batch, hidden {HIDDEN}, layout "
         f"(batch, heads, seq, hdim), inputs from {info['inputs']}; median of {args.repeats} "
         f"calls after {args.warmup} warm-up",
     ]
@@ -643,40 +799,58 @@ def ratio_cell(entries: dict, peer: str) -> str:
 def format_tables(records: list, args, ceilings: dict, env: Env, notes: Footnotes) -> str:
     from tabulate import tabulate
 
-    names = ["cuflash"] + [tile_label(t) for t in args.tiles] + list(args.peers)
-    labels = dict(zip(names, names))
-    if "standard" in names and env.standard_reason:
+    modes = getattr(args, "modes", ["fwd"])
+    all_names = ["cuflash"] + [tile_label(t) for t in args.tiles] + list(args.peers)
+    labels = dict(zip(all_names, all_names))
+    if "standard" in all_names and env.standard_reason:
         labels["standard"] = "standard (fp16)"
         notes.mark(f"standard runs in float16: {env.standard_reason}")
-    ratio_peers = [p for p in SDPA_PEERS if p in names]
-    headers = ["seqlen", "batch x heads"]
-    for name in names:
-        headers += [f"{labels[name]} ms", f"{labels[name]} TFLOP/s"]
-    headers.append("cuflash % of matmul peak")
-    headers += [f"cuflash / {p}" for p in ratio_peers]
+    ratio_peers = [p for p in SDPA_PEERS if p in all_names]
 
     blocks = []
-    for causal in args.causal_modes:
-        for hdim in args.hdims:
-            rows = []
-            for r in records:
-                if r["causal"] != causal or r["hdim"] != hdim:
-                    continue
-                row = [r["seqlen"], f"{r['batch']} x {r['heads']}"]
-                for name in names:
-                    row += time_cells(r["backends"].get(name), notes, name)
-                tf = r["backends"]["cuflash"]["tflops"]
-                row.append(f"{100 * tf / ceilings['matmul_tflops']:.1f}%")
-                row += [ratio_cell(r["backends"], p) for p in ratio_peers]
-                rows.append(row)
-            title = (f"forward, causal={'yes' if causal else 'no'}, head dim {hdim}, "
-                     f"{args.dtype}")
-            table = tabulate(rows, headers, tablefmt=args.tablefmt, disable_numparse=True,
-                             colalign=("right",) * len(headers))
-            blocks.append(title + "\n\n" + table)
+    for mode in modes:
+        names = backend_names(args, mode)
+        headers = ["seqlen", "batch x heads"]
+        for name in names:
+            headers += [f"{labels[name]} ms", f"{labels[name]} TFLOP/s"]
+        headers.append("cuflash % of matmul peak")
+        headers += [f"cuflash / {p}" for p in ratio_peers]
+        for causal in args.causal_modes:
+            for hdim in args.hdims:
+                rows = []
+                for r in records:
+                    if (r.get("mode", "fwd") != mode or r["causal"] != causal
+                            or r["hdim"] != hdim):
+                        continue
+                    row = [r["seqlen"], f"{r['batch']} x {r['heads']}"]
+                    for name in names:
+                        row += time_cells(r["backends"].get(name), notes, name)
+                    tf = r["backends"]["cuflash"]["tflops"]
+                    row.append(f"{100 * tf / ceilings['matmul_tflops']:.1f}%")
+                    row += [ratio_cell(r["backends"], p) for p in ratio_peers]
+                    rows.append(row)
+                title = (f"{MODE_NAMES[mode]}, causal={'yes' if causal else 'no'}, "
+                         f"head dim {hdim}, {args.dtype}")
+                table = tabulate(rows, headers, tablefmt=args.tablefmt, disable_numparse=True,
+                                 colalign=("right",) * len(headers))
+                blocks.append(title + "\n\n" + table)
     text = "\n\n".join(blocks)
-    text += ("\n\nms: median time of one call; TFLOP/s: 4 * seqlen^2 * hdim * heads * batch"
-             " (halved when causal) / time; cuflash / peer: peer time / cuflash time.")
+    text += ("\n\nms: median time of one call; TFLOP/s: forward 4 * seqlen^2 * hdim * heads * "
+             "batch (halved when causal) / time")
+    if "bwd" in modes:
+        text += f", backward {BWD_FLOP_FACTOR:g} x that / time"
+    text += "; cuflash / peer: peer time / cuflash time."
+    if "bwd" in modes:
+        text += ("\nbackward: the backward pass alone, with a fixed random dO, after a forward "
+                 "run untimed: cuflash.attention_backward(do, q, k, v, o, l, m); SDPA "
+                 "torch.autograd.grad(out, (q, k, v), dO, retain_graph=True)")
+        if "standard" in args.peers:
+            text += ("; standard: an explicit CuPy backward from the P the standard forward "
+                     "kept (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)) in float32 "
+                     "cast back, dQ = scale dS K, dK = scale dS^T Q), one input set")
+        if args.tiles:
+            text += "; the cuflash[...] tile columns tune forward tiles and appear in forward tables only"
+        text += "."
     if notes.texts:
         text += "\n" + "\n".join(notes.lines())
     return text
@@ -685,7 +859,8 @@ def format_tables(records: list, args, ceilings: dict, env: Env, notes: Footnote
 def write_json(path: str, info: dict, ceilings: dict, records: list, args, env, notes) -> None:
     data = {
         "info": info,
-        "settings": {"dtype": args.dtype, "tokens": TOKENS, "hidden": HIDDEN,
+        "settings": {"modes": list(args.modes), "dtype": args.dtype, "tokens": TOKENS,
+                     "hidden": HIDDEN, "bwd_flop_factor": BWD_FLOP_FACTOR,
                      "warmup": args.warmup, "repeats": args.repeats,
                      "tiles": [list(t) for t in args.tiles], "peers": list(args.peers),
                      "standard_dtype": str(env.cupy.dtype(env.standard_dtype)),

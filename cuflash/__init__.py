@@ -1,12 +1,22 @@
 """cuflash: exact FlashAttention for Python, CUDA kernels compiled at run time by CuPy.
 
     o, l, m = cuflash.attention(q, k, v, causal=False, scale=None)
+    dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, l, m, causal=False)
 
 Importing cuflash needs neither a GPU nor CuPy's CUDA libraries; they load on first call.
 """
 
 from . import reference
-from ._api import AttentionOutput, attention
+from ._api import AttentionGradients, AttentionOutput, attention, attention_backward
 
-__all__ = ["attention", "AttentionOutput", "reference"]
+__all__ = ["attention", "attention_backward", "AttentionOutput", "AttentionGradients", "reference"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # cuflash.torch and cuflash.jax import their framework, so they load on first use only.
+    if name in ("torch", "jax"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -101,13 +101,16 @@ class BatchLayout(NamedTuple):
     k_strides: tuple
     v_strides: tuple
     kv_group: int  # q heads per k/v head in the last dim
+    extra_strides: tuple = ()  # per extra tensor (dO, O in the backward), like q_strides
 
 
-def broadcast_layout(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides) -> BatchLayout:
+def broadcast_layout(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, extras=()) -> BatchLayout:
     """Broadcast the leading (batch) dims of q, k, v; strides are in elements.
 
     NumPy's rules, plus grouped heads: when k/v's last leading dim Hk > 1 divides q's Hq
-    (and differs), q head h reads k/v head h // (Hq // Hk).
+    (and differs), q head h reads k/v head h // (Hq // Hk). ``extras`` are (shape, strides)
+    of tensors whose leading dims are exactly the output's (dO and O in the backward); they
+    take part in merging dims and get their own strides.
     """
     lq, lk, lv = (tuple(s[:-2]) for s in (q_shape, k_shape, v_shape))
     try:
@@ -129,44 +132,34 @@ def broadcast_layout(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides)
         ) from None
     rank = len(out)
 
-    def aligned(shape, strides, grouped):
+    def aligned(shape, strides):
         shape, strides = tuple(shape[:-2]), tuple(strides[:-2])
         pad = rank - len(shape)
-        result = []
-        for i in range(rank):
-            j = i - pad
-            if j < 0 or shape[j] == 1 and not (grouped and i == rank - 1 and out[i] == 1):
-                result.append(0)  # broadcast: every output coordinate reads the same slice
-            else:
-                result.append(strides[j])
-        return result
+        # a missing or size-1 dim is broadcast: every output coordinate reads the same slice
+        return [0 if i < pad or shape[i - pad] == 1 else strides[i - pad] for i in range(rank)]
 
-    qs = aligned(q_shape, q_strides, False)
-    ks = aligned(k_shape, k_strides, group > 1)
-    vs = aligned(v_shape, v_strides, group > 1)
-    # k/v's own head stride applies to coordinate // group in the kernel.
+    per_tensor = [aligned(s, st) for s, st in ((q_shape, q_strides), (k_shape, k_strides),
+                                              (v_shape, v_strides), *extras)]
     # Drop size-1 dims and merge neighbours whose strides nest, so that any rank usually fits.
-    dims = [[out[i], qs[i], ks[i], vs[i]] for i in range(rank) if out[i] != 1]
-    keep_last = group > 1 and rank > 0 and out[-1] != 1
+    # A grouped head dim stays on its own: the kernel divides its coordinate for k and v.
+    dims = [[out[i]] + [st[i] for st in per_tensor] for i in range(rank) if out[i] != 1]
+    keep_last = group > 1
     merged: list = []
     for i, dim in enumerate(dims):
-        is_last = i == len(dims) - 1
-        if merged and not (keep_last and is_last):
+        if merged and not (keep_last and i == len(dims) - 1):
             prev = merged[-1]
-            if all(prev[t] == dim[t] * dim[0] for t in (1, 2, 3)):
-                merged[-1] = [prev[0] * dim[0], dim[1], dim[2], dim[3]]
+            if all(prev[t] == dim[t] * dim[0] for t in range(1, len(dim))):
+                merged[-1] = [prev[0] * dim[0]] + dim[1:]
                 continue
         merged.append(list(dim))
-    if not keep_last:
-        group = 1  # the grouped dim had size 1 or was merged away: plain broadcasting
     if len(merged) > MAX_LEAD_DIMS:
         raise ValueError(
             f"cuflash supports at most {MAX_LEAD_DIMS} leading dims that cannot be merged, got "
             f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}"
         )
-    merged = [[1, 0, 0, 0]] * (MAX_LEAD_DIMS - len(merged)) + merged
-    cols = list(zip(*merged))
-    return BatchLayout(tuple(cols[0]), out, tuple(cols[1]), tuple(cols[2]), tuple(cols[3]), group)
+    merged = [[1] + [0] * len(per_tensor)] * (MAX_LEAD_DIMS - len(merged)) + merged
+    cols = [tuple(c) for c in zip(*merged)]
+    return BatchLayout(cols[0], out, cols[1], cols[2], cols[3], group, tuple(cols[4:]))
 
 
 def _element_strides(x, name):
@@ -217,6 +210,16 @@ def _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, s
         *row_strides, layout.kv_group, scale, scale * math.log2(math.e),
     )
     return np.void(struct.pack(_FWD_PARAM_FORMAT, *values))
+
+
+def _launch(variant, grid_x, num_batch, args, d, dv):
+    """Launch a variant over grid_x tiles for every (batch..., head) slice, on the current stream."""
+    kernel = _loader.get_kernel(variant)
+    smem = variant.smem_bytes(d, dv)
+    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    grid_y = min(num_batch, 65535)  # y is limited to 65535: the rest goes to z
+    kernel((grid_x, grid_y, -(-num_batch // grid_y)), (variant.threads,), args, shared_mem=smem)
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
@@ -281,13 +284,131 @@ def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
             for name, x in (("q", q), ("k", k), ("v", v)):
                 _check_vector_alignment(x, name, strides[name])
         variant = _config.forward_config(dtype, d, dv, causal)
-        kernel = _loader.get_kernel(variant)
-        smem = variant.smem_bytes(d, dv)
-        if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
         row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
         params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale)
-        grid_y = min(num_batch, 65535)
-        grid = (-(-nq // variant.block_rows), grid_y, -(-num_batch // grid_y))
-        kernel(grid, (variant.threads,), (params,), shared_mem=smem)
+        _launch(variant, -(-nq // variant.block_rows), num_batch, (params,), d, dv)
     return AttentionOutput(o, l, m)
+
+
+class AttentionGradients(NamedTuple):
+    """What :func:`attention_backward` returns: dq, dk, dv shaped and typed like q, k, v."""
+
+    dq: Any
+    dk: Any
+    dv: Any
+
+
+# Field order of struct BwdParams in kernels/common.cuh (every member 8 bytes).
+_BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * 4) + "qq"
+
+
+def _reduce_to(grad, out_lead, shape, group):
+    """Sum a gradient laid out over the output's leading dims back to an input's shape.
+
+    Grouped heads first (output head h came from input head h // group), then NumPy
+    broadcasting in reverse: dims the input lacked or had as 1 are summed.
+    """
+    tail = grad.shape[len(out_lead):]
+    if group > 1:
+        out_lead = out_lead[:-1] + (out_lead[-1] // group,)
+        grad = grad.reshape(out_lead + (group,) + tail).sum(axis=len(out_lead))
+    lead = tuple(shape[:-2])
+    missing = len(out_lead) - len(lead)
+    axes = tuple(range(missing)) + tuple(
+        missing + i for i, n in enumerate(lead) if n == 1 and out_lead[missing + i] != 1
+    )
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad.reshape(shape)
+
+
+def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None,
+                       deterministic: bool = False) -> AttentionGradients:
+    """Gradients of :func:`attention`, recomputing S and P tile by tile (no N x N buffer).
+
+    Args:
+        do: (..., Nq, dv) gradient of the loss with respect to o; o's shape, q's dtype.
+        q, k, v: the forward's inputs (same shapes, strides, broadcasting and grouped heads).
+        o, l, m: what :func:`attention` returned for them (l, m float32, C-contiguous).
+        causal, scale: as given to the forward.
+        deterministic: bit-identical gradients across runs. The default accumulates dQ with
+            float atomics across key tiles; ``True`` computes dQ in a separate pass that
+            recomputes S and dP per query tile (two more matmuls, no atomics). float32 is
+            always deterministic.
+
+    Returns:
+        AttentionGradients(dq, dk, dv) of CuPy arrays with q's, k's and v's shapes and dtype.
+        Gradients of broadcast or grouped k / v (and q) are summed over the broadcast
+        positions. Extra device memory is O(N): float32 accumulators for dq, dk, dv (over
+        the output's leading dims) and two float32 statistics per query row.
+
+    Example:
+        >>> o, l, m = cuflash.attention(q, k, v, causal=True)
+        >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, l, m, causal=True)
+    """
+    import cupy
+
+    names = ("do", "q", "k", "v", "o", "l", "m")
+    do, q, k, v, o, l, m = (as_cupy(x, n) for x, n in zip((do, q, k, v, o, l, m), names))
+    dtype = check_dtypes(q.dtype, k.dtype, v.dtype)
+    for name, x in (("do", do), ("o", o)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}, got {np.dtype(x.dtype).name}")
+    devices = {x.device.id for x in (do, q, k, v, o, l, m)}
+    if len(devices) != 1:
+        raise ValueError(f"all arguments must be on one device, got devices {sorted(devices)}")
+    nq, nk, d, dv = check_head_dims(q.shape, k.shape, v.shape)
+    arrays = {"q": q, "k": k, "v": v, "do": do, "o": o}
+    strides = {name: _element_strides(x, name) for name, x in arrays.items()}
+    qkv_strides = (q.shape, strides["q"], k.shape, strides["k"], v.shape, strides["v"])
+    out_shape = broadcast_layout(*qkv_strides).out_lead_shape + (nq, dv)
+    for name, x in (("do", do), ("o", o)):
+        if tuple(x.shape) != out_shape:
+            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(x.shape)}")
+    layout = broadcast_layout(*qkv_strides, extras=((do.shape, strides["do"]), (o.shape, strides["o"])))
+    for name, x in (("l", l), ("m", m)):
+        if tuple(x.shape) != out_shape[:-1] or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(
+                f"{name} must be the forward's C-contiguous float32 array of shape {out_shape[:-1]}, "
+                f"got shape {tuple(x.shape)}, dtype {np.dtype(x.dtype).name}, "
+                f"contiguous {x.flags.c_contiguous}"
+            )
+    scale = _resolve_scale(scale, d)
+
+    with q.device:
+        num_batch = math.prod(layout.lead_shape)
+        if num_batch == 0 or nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
+            return AttentionGradients(*(cupy.zeros(x.shape, x.dtype) for x in (q, k, v)))
+        if dtype != "float32":
+            for name, x in arrays.items():
+                _check_vector_alignment(x, name, strides[name])
+        plan = _config.backward_plan(dtype, d, dv, causal, deterministic)
+        nq_pad = -(-nq // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
+        lse2 = cupy.empty((num_batch, nq_pad), cupy.float32)
+        delta = cupy.empty((num_batch, nq_pad), cupy.float32)
+        alloc = cupy.zeros if plan.atomic_dq else cupy.empty
+        dq_acc = alloc(layout.out_lead_shape + (nq, d), cupy.float32)
+        dk_acc = cupy.empty(layout.out_lead_shape + (nk, d), cupy.float32)
+        dv_acc = cupy.empty(layout.out_lead_shape + (nk, dv), cupy.float32)
+
+        row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
+        params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale)
+        do_lead, o_lead = layout.extra_strides
+        bparams = np.void(struct.pack(
+            _BWD_PARAM_FORMAT,
+            do.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, lse2.data.ptr, delta.data.ptr,
+            dq_acc.data.ptr, dk_acc.data.ptr, dv_acc.data.ptr, nq_pad,
+            *do_lead, *o_lead, strides["do"][-2], strides["o"][-2],
+        ))
+        args = (params, bparams)
+        _launch(plan.preprocess, nq_pad // plan.preprocess.warps, num_batch, args, d, dv)
+        for variant in plan.key_passes:
+            _launch(variant, -(-nk // variant.block_cols), num_batch, args, d, dv)
+        if plan.dq is not None:
+            _launch(plan.dq, -(-nq // plan.dq.block_rows), num_batch, args, d, dv)
+
+        out_lead = layout.out_lead_shape
+        dq = _reduce_to(dq_acc, out_lead, q.shape, 1).astype(q.dtype)
+        dk = _reduce_to(dk_acc, out_lead, k.shape, layout.kv_group).astype(k.dtype)
+        dv_ = _reduce_to(dv_acc, out_lead, v.shape, layout.kv_group).astype(v.dtype)
+    return AttentionGradients(dq, dk, dv_)

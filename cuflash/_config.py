@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
@@ -169,3 +170,271 @@ def forward_tiles_override(tiles_by_bucket):
     finally:
         _TC_FORWARD_TILES.clear()
         _TC_FORWARD_TILES.update(saved)
+
+
+# ---- backward -----------------------------------------------------------------------------
+
+_TAG_WITH_FLOAT = dict(_TYPE_TAG, float32="float")
+STATS_ROW_MULTIPLE = 128  # lse2 / D rows are padded to this; every query tile divides it
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPreprocess:
+    """D = rowsum(dO * O) and lse2 per query row (``flash_bwd_preprocess``)."""
+
+    dtype: str
+    warps: int = 8  # one row per warp
+
+    source = "flash_bwd.cu"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"cuflash::flash_bwd_preprocess<{_TAG_WITH_FLOAT[self.dtype]}, {self.warps}>"
+
+    @property
+    def key(self) -> str:
+        return f"bwd_pre_{self.dtype}_w{self.warps}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCoreBackward:
+    """dK, dV (and atomic dQ) for float16/bfloat16 (``flash_bwd_kernel``), one CTA per key tile."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    block_rows: int  # BR: queries per tile walked
+    block_cols: int  # BC: keys per CTA, 16 per warp
+    warps: int
+    min_blocks: int
+    causal: bool
+    do_dk: bool
+    do_dv: bool
+    atomic_dq: bool
+
+    source = "flash_bwd.cu"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
+        br, bc = self.block_rows, self.block_cols
+        elems = bc * k_pitch + bc * v_pitch + 2 * br * k_pitch + 2 * br * v_pitch + bc * (br + SMEM_PAD)
+        return 4 * 2 * 2 * br + 2 * elems
+
+    @property
+    def name_expression(self) -> str:
+        flags = ", ".join("true" if f else "false" for f in (self.causal, self.do_dk, self.do_dv, self.atomic_dq))
+        return (
+            f"cuflash::flash_bwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, {flags}>"
+        )
+
+    @property
+    def key(self) -> str:
+        parts = [n for n, f in (("dk", self.do_dk), ("dv", self.do_dv), ("atomic_dq", self.atomic_dq)) if f]
+        return (
+            f"bwd_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
+            f"_{'_'.join(parts)}_causal_{str(self.causal).lower()}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCoreBackwardDq:
+    """Deterministic dQ for float16/bfloat16 (``flash_bwd_dq_kernel``), one CTA per query tile."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    block_rows: int
+    block_cols: int
+    warps: int
+    min_blocks: int
+    causal: bool
+
+    source = "flash_bwd.cu"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
+        br, bc = self.block_rows, self.block_cols
+        return 2 * (br * k_pitch + br * v_pitch + 2 * bc * k_pitch + 2 * bc * v_pitch)
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_bwd_dq_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, "
+            f"{'true' if self.causal else 'false'}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return (
+            f"bwd_dq_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}"
+            f"_w{self.warps}_causal_{str(self.causal).lower()}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32BackwardDkDv:
+    """Exact-fp32 dK, dV (``flash_bwd_dkdv_f32_kernel``)."""
+
+    dim_tiles: int  # DT = DVT = ceil(max(d, dv) / 32)
+    causal: bool
+    warps: int = 4
+    keys_per_warp: int = 4
+
+    source = "flash_bwd_f32.cu"
+    dtype = "float32"
+
+    @property
+    def block_cols(self) -> int:
+        return self.warps * self.keys_per_warp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, d: int, dv: int) -> int:
+        bk, pitch = self.block_cols, 32 * self.dim_tiles + 1
+        return 4 * (bk * d + bk * dv + 2 * 32 * pitch)
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_bwd_dkdv_f32_kernel<{self.dim_tiles}, {self.dim_tiles}, {self.warps}, "
+            f"{self.keys_per_warp}, {'true' if self.causal else 'false'}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return f"bwd_dkdv_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32BackwardDq:
+    """Exact-fp32 dQ (``flash_bwd_dq_f32_kernel``)."""
+
+    dim_tiles: int
+    causal: bool
+    warps: int = 4
+    rows_per_warp: int = 8
+
+    source = "flash_bwd_f32.cu"
+    dtype = "float32"
+
+    @property
+    def block_rows(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, d: int, dv: int) -> int:
+        br = self.block_rows
+        return 4 * (br * d + br * dv + 32 * (32 * self.dim_tiles + 1) + 32 * (dv + 1))
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_bwd_dq_f32_kernel<{self.dim_tiles}, {self.warps}, {self.rows_per_warp}, "
+            f"{'true' if self.causal else 'false'}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return f"bwd_dq_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}"
+
+
+# (query rows per tile, keys per CTA, warps, min_blocks) of flash_bwd_kernel per bucket.
+# Every warp keeps 16 rows of dK and dV (head_dim / 8 * 4 fp32 registers each); above 128
+# the two are computed in separate passes.
+_TC_BACKWARD_TILES = {
+    32: (64, 128, 8, 1),
+    64: (64, 128, 8, 1),
+    96: (32, 128, 8, 1),  # 64-query tiles spill 40-112 bytes at 96 and 128
+    128: (32, 128, 8, 1),
+    160: (32, 128, 8, 1),
+    192: (32, 128, 8, 1),
+    224: (16, 128, 8, 1),
+    256: (16, 128, 8, 1),
+}
+# (query rows per CTA, keys per tile, warps, min_blocks) of the deterministic dQ kernel.
+_TC_BACKWARD_DQ_TILES = {
+    32: (128, 64, 8, 1),
+    64: (128, 64, 8, 1),
+    96: (128, 32, 8, 1),  # causal 64-key tiles spill at 128 (dQ, S and dP all live)
+    128: (128, 32, 8, 1),
+    160: (64, 32, 4, 1),
+    192: (64, 16, 4, 1),  # dQ alone is 96-128 registers a thread: keep S and dP small
+    224: (64, 16, 4, 1),
+    256: (64, 16, 4, 1),
+}
+SPLIT_BACKWARD_ABOVE = 128  # head dims above this compute dV and dK in separate passes
+
+
+class BackwardPlan(typing.NamedTuple):
+    preprocess: BackwardPreprocess
+    key_passes: tuple  # kernels launched over key tiles
+    dq: object  # a kernel launched over query tiles, or None when dQ is accumulated atomically
+    atomic_dq: bool
+
+
+def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool) -> BackwardPlan:
+    causal = bool(causal)
+    pre = BackwardPreprocess(dtype)
+    if dtype == "float32":
+        dim_tiles = -(-max(d, dv) // 32)
+        keys_per_warp = 4 if dim_tiles <= 4 else 2
+        rows_per_warp = 8 if dim_tiles <= 2 else 4 if dim_tiles <= 4 else 2
+        return BackwardPlan(
+            pre,
+            (Float32BackwardDkDv(dim_tiles, causal, keys_per_warp=keys_per_warp),),
+            Float32BackwardDq(dim_tiles, causal, rows_per_warp=rows_per_warp),
+            False,
+        )
+    hd = head_dim_bucket(max(d, dv))
+    atomic = not deterministic
+    br, bc, warps, mb = _TC_BACKWARD_TILES[hd]
+
+    def key_pass(do_dk, do_dv, atomic_dq):
+        return TensorCoreBackward(dtype, hd, hd, br, bc, warps, mb, causal, do_dk, do_dv, atomic_dq)
+
+    if hd <= SPLIT_BACKWARD_ABOVE:
+        passes = (key_pass(True, True, atomic),)
+    else:
+        passes = (key_pass(False, True, atomic), key_pass(True, False, False))
+    dq = None if atomic else TensorCoreBackwardDq(dtype, hd, hd, *_TC_BACKWARD_DQ_TILES[hd], causal)
+    return BackwardPlan(pre, passes, dq, atomic)
+
+
+def all_backward_variants():
+    variants = {}
+    for causal in (False, True):
+        for dtype in SUPPORTED_DTYPES:
+            for dim in (HEAD_DIM_BUCKETS if dtype != "float32" else range(32, MAX_HEAD_DIM + 1, 32)):
+                for deterministic in (False, True):
+                    plan = backward_plan(dtype, dim, dim, causal, deterministic)
+                    for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
+                        if kernel is not None:
+                            variants[kernel.key] = kernel
+    return list(variants.values())
+
+
+def all_variants():
+    """Every kernel variant the dispatcher can launch, forward and backward."""
+    return all_forward_variants() + all_backward_variants()

@@ -1,10 +1,14 @@
 """Compile every kernel variant the dispatcher can pick, for sm_80 and sm_90a, without a GPU.
 
     python -m cuflash.compile_check [--arch sm_80 sm_90a] [--allow-spills]
+    python -m cuflash.compile_check --warm [--jobs N]
 
 Prints registers, stack frame and spills per variant and architecture; exits non-zero on a
 compile error or (unless --allow-spills) on any spill, since every listed variant is one the
 dispatcher runs.
+
+--warm compiles every variant for the GPU at hand, in parallel processes, into CuPy's disk
+cache, so that first calls (and test runs on a fresh machine) find them built.
 """
 
 from __future__ import annotations
@@ -18,25 +22,66 @@ from . import _config, _loader
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 
 
-def check(archs=DEFAULT_ARCHS, variants=None):
-    """[(variant, arch, report)] for every variant; raises RuntimeError on a compile error."""
-    variants = list(variants if variants is not None else _config.all_forward_variants())
+def _compile_chunk(task):
+    source, exprs, arch = task
+    return arch, _loader.compile_offline(source, exprs, arch)
+
+
+def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
+    """[(variant, arch, report)] for every variant; raises RuntimeError on a compile error.
+
+    Variants are compiled in chunks of one source file, spread over ``jobs`` processes
+    (NVRTC needs no GPU, so forked workers are safe).
+    """
+    import concurrent.futures
+    import os
+
+    variants = list(variants if variants is not None else _config.all_variants())
     by_source = collections.defaultdict(list)
     for variant in variants:
         by_source[variant.source].append(variant)
-    rows = []
-    for arch in archs:
-        for source, group in by_source.items():
-            report = _loader.compile_offline(source, [v.name_expression for v in group], arch)
-            rows.extend((v, arch, report[v.name_expression]) for v in group)
-    return rows
+    tasks = [
+        (source, [v.name_expression for v in group[i:i + chunk]], arch)
+        for arch in archs
+        for source, group in by_source.items()
+        for i in range(0, len(group), chunk)
+    ]
+    jobs = jobs or os.cpu_count() or 1
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks))) as pool:
+        results = list(pool.map(_compile_chunk, tasks))
+    by_key = {(arch, expr): report for arch, reports in results for expr, report in reports.items()}
+    return [(v, arch, by_key[(arch, v.name_expression)]) for arch in archs for v in variants]
+
+
+def _warm_one(index):
+    variant = _config.all_variants()[index]
+    _loader.get_kernel(variant)
+    return variant.key
+
+
+def warm(jobs=None):
+    """Build every variant for the current GPU into CuPy's disk cache; returns the count."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    count = len(_config.all_variants())
+    jobs = jobs or min(16, os.cpu_count() or 1)
+    context = multiprocessing.get_context("spawn")  # no CUDA state crosses a fork
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        return len(list(pool.map(_warm_one, range(count))))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
     parser.add_argument("--allow-spills", action="store_true")
+    parser.add_argument("--warm", action="store_true", help="build for the GPU at hand into the disk cache")
+    parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.warm:
+        print(f"built {warm(args.jobs)} variants for the current GPU into CuPy's kernel cache")
+        return 0
     from tabulate import tabulate
 
     try:

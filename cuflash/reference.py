@@ -75,6 +75,7 @@ __all__ = [
     "flash_backward_tiled",
     "round_to",
     "lowp_attention",
+    "lowp_attention_backward",
 ]
 
 DEFAULT_BLOCK_ROWS = 32
@@ -633,3 +634,51 @@ def lowp_attention(
         p = round_to(e / _safe_divisor(l)[..., None].astype(np.float32), name)
         o = round_to(p @ v_x, name)
     return ReferenceOutput(o.astype(np.float64), l.astype(np.float64), m.astype(np.float64))
+
+
+def lowp_attention_backward(
+    do, q, k, v, *, dtype, causal: bool = False, scale: Optional[float] = None, mask=None
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of plain attention the way a framework's autograd computes them in dtype.
+
+    Every tensor a framework would store in dtype is rounded to dtype; products accumulate
+    in float32 (the forward is :func:`lowp_attention`'s):
+
+        dV = round(P^T dO)     dP = round(dO V^T)     D = rowsum(dO * O)  (float32)
+        dS = round(P * (dP - D))
+        dQ = round(round(dS K) * scale)     dK = round(round(dS^T Q) * scale)
+
+    Returns float64 (dq, dk, dv) with q's, k's and v's shapes (broadcast positions summed).
+    The kernels' gradient error budget is 3x this function's error against
+    :func:`standard_attention_backward`.
+    """
+    name = _dtype_name(dtype)
+    if name not in _LOWP_NAMES:
+        raise ValueError(f"lowp_attention_backward dtype must be one of {_LOWP_NAMES}, got {dtype!r}")
+    q_in, k_in, v_in = np.asarray(q), np.asarray(k), np.asarray(v)
+    q_r, k_r, v_r = (round_to(x, name).astype(np.float32) for x in (q_in, k_in, v_in))
+    q_x, k_x, v_x, allowed, scale, plan = _prepare(q_r, k_r, v_r, causal, scale, mask, dtype=np.float32)
+    shape_o = plan.batch_shape + (q_x.shape[-2], v_x.shape[-1])
+    do_x = np.broadcast_to(round_to(do, name).astype(np.float32), shape_o)
+    scale_r = round_to(np.float64(scale), name)
+
+    def t(x):
+        return np.swapaxes(x, -1, -2)
+
+    with np.errstate(over="ignore"):
+        s = round_to(round_to(q_x @ t(k_x), name) * scale_r, name)
+        e, l, _ = _softmax_parts(s, allowed)
+        p = round_to(e / _safe_divisor(l)[..., None].astype(np.float32), name)
+        o = round_to(p @ v_x, name)
+        dv_x = round_to(t(p) @ do_x, name)
+        dp = round_to(do_x @ t(v_x), name)
+        row_dot = np.sum(do_x * o, axis=-1, dtype=np.float32)
+        ds = round_to(p * (dp - row_dot[..., None]), name)
+        dq_x = round_to(round_to(ds @ k_x, name) * scale_r, name)
+        dk_x = round_to(round_to(t(ds) @ q_x, name) * scale_r, name)
+    to64 = lambda x: np.asarray(x, dtype=np.float64)
+    return (
+        _sum_to_shape(to64(dq_x), q_in.shape),
+        _reduce_kv_grad(to64(dk_x), k_in.shape, plan),
+        _reduce_kv_grad(to64(dv_x), v_in.shape, plan),
+    )

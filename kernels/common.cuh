@@ -37,6 +37,34 @@ struct FwdParams {
     double scale_log2;             // scale * log2(e): softmax runs on exp2
 };
 
+// Extra tensors of the backward pass. Their leading dims are the output's (FwdParams::lead_shape).
+struct BwdParams {
+    const void* dout;  // dO, (..., nq, dv), strided like o
+    const void* out;   // O (read by the preprocess only)
+    const float* l;    // (num_batch, nq) contiguous, from the forward
+    const float* m;
+    float* lse2;       // (num_batch, nq_pad): (m + log l) * log2(e), +inf for rows without keys
+    float* delta;      // (num_batch, nq_pad): rowsum(dO * O)
+    float* dq_acc;     // (num_batch, nq, d) fp32; zeroed first when dQ is accumulated atomically
+    float* dk_acc;     // (num_batch, nk, d) fp32
+    float* dv_acc;     // (num_batch, nk, dv) fp32
+    i64 nq_pad;        // a multiple of every query tile, so statistics tiles never read past it
+    i64 do_lead_stride[kMaxLead];
+    i64 o_lead_stride[kMaxLead];
+    i64 do_row_stride, o_row_stride;
+};
+
+// Offset of one (batch..., head) slice of a tensor laid out over the output's leading dims.
+__device__ __forceinline__ i64 lead_offset(const FwdParams& p, i64 flat, const i64 (&stride)[kMaxLead]) {
+    i64 off = 0;
+#pragma unroll
+    for (int i = kMaxLead - 1; i >= 0; --i) {
+        off += (flat % p.lead_shape[i]) * stride[i];
+        flat /= p.lead_shape[i];
+    }
+    return off;
+}
+
 // Offsets of one (batch..., head) slice in q, k and v. GQA divides the last coordinate for k/v.
 struct BatchOffsets { i64 q, k, v; };
 
@@ -61,6 +89,7 @@ __device__ __forceinline__ i64 flat_batch_index() {
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 // 2^x on the SFU. ftz is harmless here: arguments are <= 0 and results below 2^-126 are
 // negligible next to the row's largest term, which is exactly 1.
@@ -82,6 +111,17 @@ template <> __device__ __forceinline__ u32 pack2<fp16>(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<bf16>(bf16 x) {
+    return __uint_as_float(((u32)x.bits) << 16);
+}
+template <> __device__ __forceinline__ float to_float<fp16>(fp16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 
 // ---- asynchronous copies -----------------------------------------------------------------
 __device__ __forceinline__ u32 smem_addr(const void* p) {

@@ -29,4 +29,24 @@ __device__ __forceinline__ bool tile_needs_mask(i64 q_begin, i64 key_begin, int 
     return CAUSAL && key_begin + key_rows - 1 > q_begin + (nk - nq);
 }
 
+// The same test in 32-bit tile-local coordinates, for the inner loops where 64-bit index
+// arithmetic would cost registers. For a tile whose first query is q0 and first key k0:
+//   key_room = nk - k0 (keys at local index >= key_room do not exist),
+//   diagonal = q0 + (nk - nq) - k0 (key local kl sees query local ql iff kl - ql <= diagonal).
+// Both are clamped into int range; only their comparison with small local indices matters.
+struct TileMask {
+    int key_room, diagonal;
+    __device__ __forceinline__ TileMask(i64 q0, i64 k0, i64 nq, i64 nk) {
+        key_room = (int)clamp_small(nk - k0);
+        diagonal = (int)clamp_small(q0 + (nk - nq) - k0);
+    }
+    template <bool CAUSAL>
+    __device__ __forceinline__ bool allowed(int q_local, int k_local) const {
+        return k_local < key_room && (!CAUSAL || k_local - q_local <= diagonal);
+    }
+    __device__ __forceinline__ static i64 clamp_small(i64 x) {
+        return x > (1 << 30) ? (1 << 30) : (x < -(1 << 30) ? -(1 << 30) : x);
+    }
+};
+
 }  // namespace cuflash

@@ -59,3 +59,24 @@ def check_forward(out, q, k, v, *, causal, scale=None, dtype):
     np.testing.assert_allclose(m[~empty], exact.m[~empty], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(l[~empty], exact.l[~empty], rtol=1e-4)
     return err
+
+
+def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype):
+    """dq, dk, dv against float64 within 3x plain attention's gradients in dtype (float32:
+    1e-5 relative). Returns the kernel's max errors."""
+    got = [to_host64(x) for x in grads]
+    exact = ref.standard_attention_backward(do, q, k, v, causal=causal, scale=scale)
+    plain = None if dtype == "float32" else ref.lowp_attention_backward(do, q, k, v, dtype=dtype, causal=causal, scale=scale)
+    errors = []
+    for i, (name, g, e) in enumerate(zip(("dq", "dk", "dv"), got, exact)):
+        assert g.shape == e.shape, f"{name} shape {g.shape} != {e.shape}"
+        assert not np.isnan(g).any(), f"NaN in {name}"
+        err = max_err(g, e)
+        if dtype == "float32":
+            rel = np.linalg.norm(g - e) / max(np.linalg.norm(e), 1e-30)
+            assert rel < 1e-5, f"{name}: float32 relative error {rel:.3g}"
+        else:
+            bound = 3 * max_err(plain[i], e) + 1e-6
+            assert err <= bound, f"{name}: max error {err:.3g} > 3 x plain {dtype} error ({bound:.3g})"
+        errors.append(err)
+    return errors

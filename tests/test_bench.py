@@ -1,6 +1,8 @@
-"""CPU tests of bench/bench_forward.py: FLOP count, shapes, argument parsing, report layout.
+"""CPU tests of bench/bench_forward.py and bench/memory.py: FLOP counts, shapes, argument
+parsing, report layout, the standard backward's algebra (NumPy standing in for CuPy), and the
+memory benchmark's bookkeeping.
 
-Nothing here needs a GPU; importing the benchmark module must not import CuPy.
+Nothing here needs a GPU; importing the benchmark modules must not import CuPy.
 """
 
 import subprocess
@@ -8,9 +10,12 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import bench_forward as bf
+from bench import memory as bm
+from cuflash import reference as ref
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +25,16 @@ def test_flops_forward():
     assert bf.flops(1024, 64, 32, 16, causal=False) == 4 * 1024**2 * 64 * 32 * 16
     assert bf.flops(1024, 64, 32, 16, causal=True) == 2 * 1024**2 * 64 * 32 * 16
     assert bf.flops(3, 8, 1, 1, causal=False) == 4 * 9 * 8
+
+
+def test_flops_backward_is_two_and_a_half_forward():
+    fwd = bf.flops(1024, 64, 32, 16, causal=False)
+    assert bf.flops(1024, 64, 32, 16, causal=False, mode="fwd") == fwd
+    assert bf.flops(1024, 64, 32, 16, causal=False, mode="bwd") == 2.5 * fwd
+    assert bf.flops(1024, 64, 32, 16, causal=True, mode="bwd") == 2.5 * fwd / 2
+    assert bf.flops(3, 8, 1, 1, causal=False, mode="bwd") == 2.5 * 4 * 9 * 8
+    with pytest.raises(ValueError):
+        bf.flops(3, 8, 1, 1, causal=False, mode="both")
 
 
 def test_flops_grow_linearly_with_seqlen_in_the_harness():
@@ -45,6 +60,19 @@ def test_defaults():
     assert args.repeats == 30 and args.warmup == 3
     assert args.tiles == [] and args.json is None
     assert args.peers == ["standard", "sdpa_flash", "sdpa_cudnn"]
+    assert args.modes == ["fwd", "bwd"]
+
+
+def test_modes_option():
+    assert bf.parse_args(["--modes", "bwd"]).modes == ["bwd"]
+    assert bf.parse_args(["--modes", "fwd"]).modes == ["fwd"]
+    assert bf.parse_args(["--modes", "bwd", "fwd", "bwd"]).modes == ["fwd", "bwd"]
+
+
+def test_backend_names_per_mode():
+    args = bf.parse_args(["--tiles", "128,64,8,1", "--peers", "sdpa_flash"])
+    assert bf.backend_names(args, "fwd") == ["cuflash", "cuflash[128,64,8,1]", "sdpa_flash"]
+    assert bf.backend_names(args, "bwd") == ["cuflash", "sdpa_flash"]  # forward tiles only
 
 
 def test_options():
@@ -73,6 +101,8 @@ def test_options():
     ["--warmup", "0"],
     ["--seqlens", "0"],
     ["--peers", "xformers"],
+    ["--modes", "fwdbwd"],
+    ["--modes"],
 ])
 def test_bad_arguments_exit(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -134,8 +164,208 @@ def test_report_layout():
     assert "standard runs in float16" in text
 
 
+def test_report_layout_backward():
+    args = bf.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "yes",
+                          "--tiles", "128,64,8,1"])
+    records = []
+    for mode, ms in (("fwd", 1.0), ("bwd", 2.0)):
+        flop = bf.flops(1024, 64, 32, 16, True, mode)
+        backends = {"cuflash": _entry(ms, flop), "standard": _entry(3 * ms, flop),
+                    "sdpa_flash": _entry(2 * ms, flop), "sdpa_cudnn": _entry(ms / 2, flop)}
+        if mode == "fwd":
+            backends["cuflash[128,64,8,1]"] = _entry(1.25, flop)
+        records.append({"mode": mode, "seqlen": 1024, "hdim": 64, "causal": True, "batch": 16,
+                        "heads": 32, "flops": flop, "backends": backends})
+    env = types.SimpleNamespace(standard_reason=None, torch=None)
+    text = bf.format_tables(records, args, {"matmul_tflops": 275.0}, env, bf.Footnotes())
+    fwd, bwd = text.split("backward, causal=yes, head dim 64, bfloat16")
+    assert "forward, causal=yes, head dim 64, bfloat16" in fwd
+    assert "cuflash[128,64,8,1] ms" in fwd and "cuflash[128,64,8,1]" not in bwd.split("\n\n")[1]
+    # backward: 2.5 * 2 * 1024^2 * 64 * 32 * 16 FLOPs in 2 ms = 171.8 TFLOP/s
+    assert "171.8" in bwd and "2.00x" in bwd and "0.50x" in bwd
+    assert "backward 2.5 x that" in text and "torch.autograd.grad" in text
+    assert "rowsum(dO * O)" in text
+
+
+def _standard_env(dtype=np.float32):
+    return types.SimpleNamespace(cupy=np, standard_dtype=np.dtype(dtype))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_standard_backward_matches_reference(causal):
+    """The standard peer's explicit backward, run with NumPy as the array module."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((2, 3, 40, 16)).astype(np.float32) for _ in range(4))
+    forward, backward = bf.standard_parts(_standard_env(), causal, 40, 40, 16)
+    o, p = forward(q, k, v)
+    np.testing.assert_allclose(o, ref.standard_attention(q, k, v, causal=causal).o,
+                               rtol=1e-4, atol=1e-5)
+    grads = backward(q, k, v, do, o, p)
+    exact = ref.standard_attention_backward(do, q, k, v, causal=causal)
+    for got, want in zip(grads, exact):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_standard_backward_backend_prepares_one_set():
+    backend = bf.standard_backward_backend(_standard_env(), False, 8, 8, 8)
+    assert backend.max_sets == 1 and backend.prepare is not None
+    x = np.ones((1, 1, 8, 8), np.float32)
+    args = backend.prepare(x, x, x, x)
+    assert len(args) == 6
+    dq, dk, dv = backend.fn(*args)
+    assert dq.shape == dk.shape == dv.shape == x.shape
+
+
+class _NumpyAsCupy:
+    """NumPy under CuPy's name, with the bits of cupy.cuda the benchmark touches."""
+
+    cuda = types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def test_run_config_backward_plumbing(monkeypatch):
+    """bwd mode end to end on a CPU: input sets with dO, prepare, the gradient check, FLOPs.
+
+    cuflash's backward is stood in for by the float64 reference; the standard peer runs its
+    real code with NumPy as the array module; SDPA is unavailable without torch."""
+    env = types.SimpleNamespace(cupy=_NumpyAsCupy(), torch=None, torch_reason="no torch here",
+                                dtype_name="float32", standard_dtype=np.dtype(np.float32),
+                                free_memory=lambda: None)
+    calls = []
+
+    def fake_time_call(cupy, fn, input_sets, warmup, repeats):
+        calls.append(len(input_sets))
+        return [1.0] * repeats, fn(*input_sets[0])
+
+    def reference_backward(causal):
+        def prepare(q, k, v, do):
+            return (do, q, k, v)
+        def run(do, q, k, v):
+            return ref.standard_attention_backward(do, q, k, v, causal=causal)
+        return bf.Backend("cuflash", run, prepare=prepare, is_cuflash=True)
+
+    monkeypatch.setattr(bf, "time_call", fake_time_call)
+    monkeypatch.setattr(bf, "cuflash_backward_backend", reference_backward)
+    args = bf.parse_args(["--modes", "bwd", "--repeats", "2", "--tiles", "128,64,8,1"])
+    rng = np.random.default_rng(1)
+    sets = [tuple(rng.standard_normal((1, 2, 32, 16)).astype(np.float32) for _ in range(4))
+            for _ in range(3)]
+    record = bf.run_config(env, args, 16, 32, True, sets, "[test]", "bwd")
+    assert record["mode"] == "bwd"
+    assert record["flops"] == bf.flops(32, 16, 128, 512, True, "bwd")
+    assert list(record["backends"]) == ["cuflash", "standard", "sdpa_flash", "sdpa_cudnn"]
+    assert record["backends"]["standard"]["ms"] == 1.0
+    assert record["backends"]["sdpa_flash"]["status"] == "unavailable"
+    assert calls == [3, 1]  # the standard peer keeps one P: one input set
+    assert record["max_rel_grad_diff_vs_cuflash"]["standard"] < 1e-4
+
+
+# ---- bench/memory.py ---------------------------------------------------------------------
+
+
+def test_memory_defaults():
+    args = bm.parse_args([])
+    assert args.seqlens == [4096, 16384, 65536]
+    assert args.hdim == 128 and args.heads == 16 and args.batch == 1
+    assert args.causal == "no" and not args.is_causal and args.dtype == "bfloat16"
+    assert args.peers == ["cuflash_torch", "sdpa_flash", "sdpa_cudnn", "standard"]
+    assert args.json is None and not args.deterministic
+
+
+def test_memory_options():
+    args = bm.parse_args(["--seqlens", "16384", "4096", "--hdim", "64", "--heads", "32",
+                          "--causal", "yes", "--peers", "sdpa_flash", "--json", "m.json",
+                          "--deterministic"])
+    assert args.seqlens == [4096, 16384]  # sorted
+    assert args.hdim == 64 and args.heads == 32 and args.is_causal
+    assert args.peers == ["sdpa_flash"] and args.json == "m.json" and args.deterministic
+
+
+@pytest.mark.parametrize("argv", [["--seqlens", "0"], ["--hdim", "0"], ["--heads", "-1"],
+                                  ["--peers", "xformers"], ["--causal", "both"]])
+def test_memory_bad_arguments_exit(argv):
+    with pytest.raises(SystemExit) as info:
+        bm.parse_args(argv)
+    assert info.value.code == 2
+
+
+def test_live_bytes_tracks_peak():
+    live = bm.LiveBytes()
+    live.free(99)  # allocated before tracking: ignored
+    live.malloc(1, 512)
+    live.malloc(2, 1024)
+    live.free(1)
+    live.malloc(3, 256)
+    assert live.current == 1280 and live.peak == 1536 and live.allocations == 3
+    live.free(2)
+    live.free(3)
+    live.malloc(1, 512)  # a pointer reused after its free
+    assert live.current == 512 and live.peak == 1536
+
+
+def test_growth_classification():
+    assert bm.growth_kind(bm.growth_exponent(4096, 100, 16384, 400)) == "linear"
+    assert bm.growth_kind(bm.growth_exponent(4096, 100, 16384, 1600)) == "quadratic"
+    assert bm.growth_kind(bm.growth_exponent(4096, 100, 16384, 800)) == "super-linear"
+    assert bm.growth_exponent(4096, 100, 16384, 400) == pytest.approx(1.0)
+    assert bm.growth_exponent(4096, 0, 16384, 400) is None
+    assert bm.growth_kind(None) == "unknown"
+
+
+def _memory_records():
+    def ok(nbytes):
+        return {"status": "ok", "error": None, "peak_bytes": nbytes, "retained_bytes": nbytes}
+    records = []
+    for seq in (4096, 16384, 65536):
+        outputs = 4 * bm.tensor_bytes(seq, 128, 16, 1)
+        standard = ok(16 * 2**20 * (seq // 4096) ** 2) if seq < 65536 else {
+            "status": "oom", "error": "not run: needs 384 GiB", "peak_bytes": None}
+        records.append({"seqlen": seq, "outputs_bytes": outputs, "inputs_bytes": outputs,
+                        "backends": {"cuflash": ok(outputs + 2**20 * seq // 4096),
+                                     "sdpa_flash": ok(2 * outputs),
+                                     "sdpa_cudnn": {"status": "error", "peak_bytes": None,
+                                                    "error": "RuntimeError: no kernel"},
+                                     "standard": standard}})
+    return records
+
+
+def test_memory_growth_and_table():
+    records = _memory_records()
+    steps = bm.growth(records, "cuflash")
+    assert [s["kind"] for s in steps] == ["linear", "linear"]
+    assert steps[0]["seq_ratio"] == 4 and steps[0]["memory_ratio"] == pytest.approx(4)
+    assert [s["kind"] for s in bm.growth(records, "standard")] == ["quadratic"]
+    assert bm.growth(records, "sdpa_cudnn") == []
+    args = bm.parse_args([])
+    text = bm.format_table(records, args, bf.Footnotes())
+    # seq 4096: o, dq, dk, dv = 4 x 16 MiB; cuflash 64 + 1 MiB; 0.51x of sdpa_flash's 128 MiB
+    assert "o + dq + dk + dv MiB" in text and "cuflash MiB" in text and "standard MiB" in text
+    assert "64.0" in text and "65.0" in text and "128.0" in text and "0.51x" in text
+    assert "OOM [" in text and "not run: needs 384 GiB" in text
+    assert "sdpa_cudnn: RuntimeError: no kernel" in text
+    assert "growth, cuflash: 4096->16384 (4x seq): x4.00 (linear)" in text
+    assert "growth, standard: 4096->16384 (4x seq): x16.00 (quadratic)" in text
+    assert "Counted:" in text and "dq, dk, dv" in text and "MemoryHook" in text
+
+
+def test_memory_json(tmp_path):
+    args = bm.parse_args(["--json", str(tmp_path / "m.json")])
+    notes = bf.Footnotes()
+    bm.format_table(_memory_records(), args, notes)
+    bm.write_json(args.json, {"gpu": "none"}, _memory_records(), args, notes)
+    import json
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["settings"]["hdim"] == 128 and len(data["results"]) == 3
+    assert data["growth"]["cuflash"][0]["kind"] == "linear"
+
+
 def test_import_needs_no_cupy():
-    code = "import sys, bench.bench_forward; print('cupy' in sys.modules)"
+    code = "import sys, bench.bench_forward, bench.memory; print('cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -144,4 +374,7 @@ def test_import_needs_no_cupy():
 def test_help_runs():
     out = subprocess.run([sys.executable, "-m", "bench.bench_forward", "--help"], cwd=REPO_ROOT,
                          capture_output=True, text=True)
-    assert out.returncode == 0 and "--tiles" in out.stdout
+    assert out.returncode == 0 and "--tiles" in out.stdout and "--modes" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "bench.memory", "--help"], cwd=REPO_ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "--seqlens" in out.stdout and "--json" in out.stdout

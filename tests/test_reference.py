@@ -497,3 +497,17 @@ def test_expand_kv_errors_name_the_shapes(q_shape, k_shape, v_shape, names):
         assert str(shapes[name]) in message, message
     with pytest.raises(ValueError):
         ref.standard_attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_lowp_backward_is_close_but_not_exact(dtype):
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((2, 3, 40, 16)) for _ in range(3))
+    do = rng.standard_normal((2, 3, 40, 16))
+    q, k, v, do = (ref.round_to(x, dtype).astype(np.float64) for x in (q, k, v, do))
+    exact = ref.standard_attention_backward(do, q, k, v, causal=True)
+    lowp = ref.lowp_attention_backward(do, q, k, v, dtype=dtype, causal=True)
+    for e, g in zip(exact, lowp):
+        assert g.shape == e.shape
+        err = np.max(np.abs(g - e)) / np.max(np.abs(e))
+        assert 0 < err < 5e-2

@@ -1,0 +1,177 @@
+// flash_bwd_f32.cu: the recomputing backward pass for float32, in exact fp32 FMA arithmetic.
+//
+// Same mathematics as flash_bwd.cu (see there), laid out for scalar code like
+// flash_fwd_f32.cu: 32 rows of the "other" operand per tile, one per lane.
+//   flash_bwd_dkdv_f32_kernel  a CTA owns NWARPS * KPW keys; lane j takes query j of each
+//                              32-query tile; dK and dV columns lane, lane+32, ... per key.
+//   flash_bwd_dq_f32_kernel    a CTA owns NWARPS * RPW queries; lane j takes key j of each
+//                              32-key tile.
+// No atomics: both are deterministic. D and lse2 come from flash_bwd_preprocess<float>.
+#include "common.cuh"
+#include "mask.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ void load_rows_f32(float* smem, const float* gmem, i64 row_stride, i64 row0,
+                                              i64 nrows, int rows, int cols, int ncols, int pitch,
+                                              int tid, int nthreads) {
+    for (int i = tid; i < rows * cols; i += nthreads) {
+        const int r = i / cols, c = i % cols;
+        smem[r * pitch + c] = (row0 + r < nrows && c < ncols) ? gmem[(row0 + r) * row_stride + c] : 0.f;
+    }
+}
+
+// DT = ceil(d / 32), DVT = ceil(dv / 32): dK / dV columns per lane.
+template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    constexpr int NT = NWARPS * 32, BK = NWARPS * KPW;
+    constexpr int QP = DT * 32 + 1, OP = DVT * 32 + 1;  // odd pitches: lane j reads row j
+    const int d = (int)p.d, dv = (int)p.dv;
+    extern __shared__ __align__(16) float smem_f32[];
+    {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)(4 * (BK * d + BK * dv + 32 * QP + 32 * OP))) __trap();
+    }
+    float* sK = smem_f32;            // [BK][d]
+    float* sV = sK + BK * d;         // [BK][dv]
+    float* sQ = sV + BK * dv;        // [32][QP]
+    float* sdO = sQ + 32 * QP;       // [32][OP]
+
+    const i64 bidx = flat_batch_index();
+    if (bidx >= p.num_batch) return;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const i64 nq = p.nq, nk = p.nk, j0 = (i64)blockIdx.x * BK;
+    const BatchOffsets off = batch_offsets(p, bidx);
+    const float* gQ = static_cast<const float*>(p.q) + off.q;
+    const float* gdO = static_cast<const float*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
+    load_rows_f32(sK, static_cast<const float*>(p.k) + off.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
+    load_rows_f32(sV, static_cast<const float*>(p.v) + off.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
+
+    i64 first_q = CAUSAL ? j0 - (nk - nq) : 0;
+    first_q = first_q < 0 ? 0 : first_q;
+    const float scale_log2 = (float)p.scale_log2;
+    float acc_dk[KPW][DT], acc_dv[KPW][DVT];
+#pragma unroll
+    for (int r = 0; r < KPW; ++r) {
+#pragma unroll
+        for (int u = 0; u < DT; ++u) acc_dk[r][u] = 0.f;
+#pragma unroll
+        for (int u = 0; u < DVT; ++u) acc_dv[r][u] = 0.f;
+    }
+
+    for (i64 q0 = (first_q / 32) * 32; q0 < nq; q0 += 32) {
+        __syncthreads();  // every warp is done with the previous query tile
+        load_rows_f32(sQ, gQ, p.q_row_stride, q0, nq, 32, DT * 32, d, QP, tid, NT);
+        load_rows_f32(sdO, gdO, b.do_row_stride, q0, nq, 32, DVT * 32, dv, OP, tid, NT);
+        __syncthreads();
+        const i64 q = q0 + lane;  // this lane's query; rows past nq read the padding
+        const float lse = b.lse2[bidx * b.nq_pad + q], delta = b.delta[bidx * b.nq_pad + q];
+#pragma unroll
+        for (int r = 0; r < KPW; ++r) {
+            const int kr = warp * KPW + r;
+            const i64 key = j0 + kr;
+            float s = 0.f, dp = 0.f;
+            for (int c = 0; c < d; ++c) s = fmaf(sK[kr * d + c], sQ[lane * QP + c], s);
+            for (int c = 0; c < dv; ++c) dp = fmaf(sV[kr * dv + c], sdO[lane * OP + c], dp);
+            const bool allowed = q < nq && key_allowed<CAUSAL>(q, key, nq, nk);
+            const float pr = allowed ? fast_exp2(s * scale_log2 - lse) : 0.f;
+            const float ds = pr * (dp - delta);
+            for (int j = 0; j < 32; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, pr, j);
+                const float dsj = __shfl_sync(0xffffffffu, ds, j);
+#pragma unroll
+                for (int u = 0; u < DVT; ++u) acc_dv[r][u] = fmaf(pj, sdO[j * OP + lane + 32 * u], acc_dv[r][u]);
+#pragma unroll
+                for (int u = 0; u < DT; ++u) acc_dk[r][u] = fmaf(dsj, sQ[j * QP + lane + 32 * u], acc_dk[r][u]);
+            }
+        }
+    }
+    const float scale = (float)p.scale;
+#pragma unroll
+    for (int r = 0; r < KPW; ++r) {
+        const i64 key = j0 + warp * KPW + r;
+        if (key >= nk) continue;
+#pragma unroll
+        for (int u = 0; u < DT; ++u)
+            if (lane + 32 * u < d) b.dk_acc[(bidx * nk + key) * d + lane + 32 * u] = scale * acc_dk[r][u];
+#pragma unroll
+        for (int u = 0; u < DVT; ++u)
+            if (lane + 32 * u < dv) b.dv_acc[(bidx * nk + key) * dv + lane + 32 * u] = acc_dv[r][u];
+    }
+}
+
+template <int DT, int NWARPS, int RPW, bool CAUSAL>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, KP = DT * 32 + 1;
+    const int d = (int)p.d, dv = (int)p.dv, vp = dv + 1;
+    extern __shared__ __align__(16) float smem_f32[];
+    {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)(4 * (BR * d + BR * dv + 32 * KP + 32 * vp))) __trap();
+    }
+    float* sQ = smem_f32;         // [BR][d]
+    float* sdO = sQ + BR * d;     // [BR][dv]
+    float* sK = sdO + BR * dv;    // [32][KP]
+    float* sV = sK + 32 * KP;     // [32][vp]
+
+    const i64 bidx = flat_batch_index();
+    if (bidx >= p.num_batch) return;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const i64 q0 = (i64)q_tile * BR, nq = p.nq, nk = p.nk;
+    const BatchOffsets off = batch_offsets(p, bidx);
+    const float* gK = static_cast<const float*>(p.k) + off.k;
+    const float* gV = static_cast<const float*>(p.v) + off.v;
+    load_rows_f32(sQ, static_cast<const float*>(p.q) + off.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
+    load_rows_f32(sdO, static_cast<const float*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride),
+                  b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);
+    const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
+    const i64 kv_end = key_limit<CAUSAL>(q_end, nq, nk);
+    const float scale_log2 = (float)p.scale_log2;
+
+    float lse[RPW], delta[RPW], acc[RPW][DT];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const i64 q = q0 + warp * RPW + r;  // rows past nq read the padding (lse2 = +inf)
+        lse[r] = b.lse2[bidx * b.nq_pad + q];
+        delta[r] = b.delta[bidx * b.nq_pad + q];
+#pragma unroll
+        for (int u = 0; u < DT; ++u) acc[r][u] = 0.f;
+    }
+    for (i64 k0 = 0; k0 < kv_end; k0 += 32) {
+        __syncthreads();
+        load_rows_f32(sK, gK, p.k_row_stride, k0, nk, 32, DT * 32, d, KP, tid, NT);
+        load_rows_f32(sV, gV, p.v_row_stride, k0, nk, 32, dv, dv, vp, tid, NT);
+        __syncthreads();
+        const i64 key = k0 + lane;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int row = warp * RPW + r;
+            float s = 0.f, dp = 0.f;
+            for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * KP + c], s);
+            for (int c = 0; c < dv; ++c) dp = fmaf(sdO[row * dv + c], sV[lane * vp + c], dp);
+            const float pr = key_allowed<CAUSAL>(q0 + row, key, nq, nk) ? fast_exp2(s * scale_log2 - lse[r]) : 0.f;
+            const float ds = pr * (dp - delta[r]);
+            for (int j = 0; j < 32; ++j) {
+                const float dsj = __shfl_sync(0xffffffffu, ds, j);
+#pragma unroll
+                for (int u = 0; u < DT; ++u) acc[r][u] = fmaf(dsj, sK[j * KP + lane + 32 * u], acc[r][u]);
+            }
+        }
+    }
+    const float scale = (float)p.scale;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const i64 q = q0 + warp * RPW + r;
+        if (q >= nq) continue;
+#pragma unroll
+        for (int u = 0; u < DT; ++u)
+            if (lane + 32 * u < d) b.dq_acc[(bidx * nq + q) * d + lane + 32 * u] = scale * acc[r][u];
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,159 @@
+"""cuflash.jax: eager, jit, grad and vmap against a float64 NumPy reference (GPU + JAX only).
+
+Error bounds: the forward within 2x, gradients within 3x, of what plain jnp attention in the
+same dtype gets wrong against the float64 reference.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU
+from cuflash import reference as ref
+from gpu_util import DTYPES, max_err, random_array
+
+# cuflash allocates through CuPy, outside XLA's pool: keep XLA from reserving 75% of the GPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+
+def _jax_has_gpu():
+    try:
+        return bool(jax.devices("gpu"))
+    except Exception:  # no CUDA plugin, or it found no device
+        return False
+
+
+pytestmark = pytest.mark.skipif(not (HAS_GPU and _jax_has_gpu()), reason="needs JAX with a CUDA GPU")
+
+# (name, lead_q, lead_kv, Nq, Nk, d, dv, causal)
+CASES = (
+    ("plain", (2, 4), (2, 4), 128, 128, 64, 64, False),
+    ("causal_rect", (2, 3), (2, 3), 100, 230, 128, 128, True),
+    ("gqa", (2, 6), (2, 2), 77, 200, 64, 32, False),
+    ("gqa_causal", (1, 8), (1, 2), 130, 130, 64, 64, True),
+    ("broadcast_causal_tall", (3, 2), (2,), 150, 60, 32, 32, True),  # rows with no key
+)
+CASE_IDS = [c[0] for c in CASES]
+
+
+def host_inputs(rng, case, dtype):
+    _, lq, lkv, nq, nk, d, dv, causal = case
+    q = random_array(rng, lq + (nq, d), dtype)
+    k = random_array(rng, lkv + (nk, d), dtype)
+    v = random_array(rng, lkv + (nk, dv), dtype)
+    w = random_array(rng, ref.broadcast_plan(q.shape, k.shape, v.shape).batch_shape + (nq, dv), dtype)
+    return q, k, v, w, causal
+
+
+def jnp_attention(q, k, v, causal, scale=None):
+    """Plain attention in the inputs' dtype, as a JAX user would write it."""
+    if k.ndim >= 3 and q.ndim >= 3 and k.shape[-3] not in (1, q.shape[-3]):
+        group = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ jnp.swapaxes(k, -1, -2)) * jnp.asarray(scale, q.dtype)
+    nq, nk = s.shape[-2:]
+    if causal:
+        allowed = jnp.tril(jnp.ones((nq, nk), bool), nk - nq)
+        s = jnp.where(allowed, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        p = jnp.where(allowed.any(-1, keepdims=True), p, 0)  # empty rows: 0, not NaN
+    else:
+        p = jax.nn.softmax(s, axis=-1)
+    return p @ v
+
+
+def cuflash_attention(q, k, v, causal, scale=None):
+    import cuflash.jax
+
+    return cuflash.jax.attention(q, k, v, causal=causal, scale=scale)
+
+
+def loss_of(attend, w, causal):
+    w = jnp.asarray(w)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v, causal).astype(jnp.float32) * w.astype(jnp.float32))
+
+    return loss
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_forward(case, dtype, rng):
+    q, k, v, _, causal = host_inputs(rng, case, dtype)
+    o = cuflash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal)
+    exact = ref.standard_attention(q, k, v, causal=causal)
+    assert o.shape == exact.o.shape and o.dtype == q.dtype
+    got = np.asarray(o).astype(np.float64)
+    assert not np.isnan(got).any()
+    err = max_err(got, exact.o)
+    plain = np.asarray(jnp_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal)).astype(np.float64)
+    # Also the NumPy model of plain attention in dtype: XLA's f32 dots may use TF32, but not
+    # every GPU does, and the bound must not depend on it.
+    lowp = ref.lowp_attention(q, k, v, dtype=dtype, causal=causal).o
+    bound = 2 * max(max_err(plain, exact.o), max_err(lowp, exact.o)) + 1e-6
+    assert err <= bound, f"max |o - ref| {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradients_eager_and_jit(case, dtype, rng):
+    q, k, v, w, causal = host_inputs(rng, case, dtype)
+    args = tuple(jnp.asarray(x) for x in (q, k, v))
+    exact = ref.standard_attention_backward(w, q, k, v, causal=causal)
+    plain = jax.grad(loss_of(jnp_attention, w, causal), argnums=(0, 1, 2))(*args)
+    grad = jax.grad(loss_of(cuflash_attention, w, causal), argnums=(0, 1, 2))
+    for mode, got in (("eager", grad(*args)), ("jit", jax.jit(grad)(*args))):
+        for name, g, e, p in zip("qkv", got, exact, plain):
+            assert g.shape == e.shape and g.dtype == q.dtype, (mode, name)
+            g, p = np.asarray(g).astype(np.float64), np.asarray(p).astype(np.float64)
+            err, baseline = max_err(g, e), max_err(p, e)
+            bound = 3 * baseline + 1e-6
+            assert err <= bound, f"{mode} d{name}: max err {err:.3g} > 3 x jnp's {baseline:.3g}"
+
+
+def test_jit_with_surrounding_ops(rng):
+    """Inside one compiled program with other work before and after, results unchanged."""
+    q, k, v, w, causal = host_inputs(rng, CASES[3], "bfloat16")
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+
+    @jax.jit
+    def f(q, k, v):
+        q2 = q * 2  # produced by XLA right before the callback reads it
+        return cuflash_attention(q2, k, v, causal, scale=0.5 / np.sqrt(q.shape[-1])) + 1
+
+    expected = cuflash_attention(q * 2, k, v, causal, scale=0.5 / np.sqrt(q.shape[-1])) + 1
+    assert np.array_equal(np.asarray(f(q, k, v)), np.asarray(expected))
+
+
+def test_vmap(rng):
+    """vmap over q alone: same as one call with the extra leading dim; grads per example."""
+    q, k, v, _, causal = host_inputs(rng, CASES[2], "float16")
+    qb = jnp.asarray(random_array(rng, (3,) + q.shape, "float16"))
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    attend = lambda q, k: cuflash_attention(q, k, v, causal)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.vmap(attend, in_axes=(0, None))(qb, k), np.float32),
+                               np.asarray(attend(qb, k), np.float32), rtol=1e-3, atol=1e-3)
+
+    loss = lambda q, k: jnp.sum(attend(q, k).astype(jnp.float32) ** 2)  # noqa: E731
+    dq, dk = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(qb, k)
+    assert dq.shape == qb.shape and dk.shape == (3,) + k.shape
+    for i in range(3):
+        eq, ek = jax.grad(loss, argnums=(0, 1))(qb[i], k)
+        for got, expected in ((dq[i], eq), (dk[i], ek)):
+            got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+            np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+
+
+def test_bad_arguments_fail_at_trace_time():
+    q = jnp.zeros((2, 16, 64), jnp.float16)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cuflash_attention(q, q.astype(jnp.float32), q, False)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cuflash_attention(q, q, q[..., :12], False)
+    with pytest.raises(ValueError, match="scale"):
+        cuflash_attention(q, q, q, False, scale=-1.0)
