@@ -96,10 +96,10 @@ def _forward_callback(causal, scale):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(causal, scale):
+def _backward_callback(causal, scale, deterministic):
     def callback(ctx, outs, do, q, k, v, o, l, m):
         _launch(ctx, outs, _cf.attention_backward, (do, q, k, v, o, l, m),
-                dict(causal=causal, scale=scale))
+                dict(causal=causal, scale=scale, deterministic=deterministic))
 
     return callback
 
@@ -122,33 +122,34 @@ def _forward(q, k, v, causal, scale):
     return call(q, k, v)
 
 
-def _backward(do, q, k, v, o, l, m, causal, scale):
+def _backward(do, q, k, v, o, l, m, causal, scale, deterministic):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     # broadcast_all, not expand_dims: a batched gradient of an unbatched input must stay
     # per-example, whereas cuflash would sum it over a size-1 broadcast dim.
-    call = buffer_callback(_backward_callback(causal, scale), shapes, vmap_method="broadcast_all")
+    callback = _backward_callback(causal, scale, deterministic)
+    call = buffer_callback(callback, shapes, vmap_method="broadcast_all")
     return call(do, q, k, v, o, l, m)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, causal, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, causal, scale, deterministic):
     return _forward(q, k, v, causal, scale)[0]
 
 
-def _attention_fwd(q, k, v, causal, scale):
+def _attention_fwd(q, k, v, causal, scale, deterministic):
     o, l, m = _forward(q, k, v, causal, scale)
     return o, (q, k, v, o, l, m)
 
 
-def _attention_bwd(causal, scale, residuals, do):
-    return _backward(do, *residuals, causal, scale)
+def _attention_bwd(causal, scale, deterministic, residuals, do):
+    return _backward(do, *residuals, causal, scale, deterministic)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=(3, 4))
+_attention_jit = jax.jit(_attention, static_argnums=(3, 4, 5))
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None):
+def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool = False):
     """Exact scaled dot-product attention (FlashAttention) on JAX arrays, differentiable.
 
     Args:
@@ -158,8 +159,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None):
             attention: q head h uses k/v head h // (Hq // Hk).
         causal: key j is masked for query i when j > i + (Nk - Nq) (bottom-right aligned).
         scale: multiplies q k^T; defaults to 1 / sqrt(d).
+        deterministic: make the gradients bit-identical from run to run (the default
+            backward accumulates dq with float atomics).
 
     Returns:
         o, (..., Nq, dv) in q's dtype. Works eagerly and under jax.jit, jax.grad, jax.vmap.
     """
-    return _attention_jit(q, k, v, bool(causal), None if scale is None else float(scale))
+    scale = None if scale is None else float(scale)
+    return _attention_jit(q, k, v, bool(causal), scale, bool(deterministic))

@@ -135,6 +135,7 @@ def _attention_bwd(
     # of o.sum() is an expanded (stride-0) tensor, which cuflash cannot read. Copy then.
     if not _kernel_readable(do):
         do = do.contiguous()
+    l, m = l.contiguous(), m.contiguous()  # no-ops for the forward's own outputs
     return _run(
         device, _cf.attention_backward, do, q, k, v, o, l, m,
         causal=causal, scale=scale,

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call (what every session and reviewer runs on the device):
-#   scripts/gpu_suite.sh [tests] [bench] [compile]     (default: all three)
+#   scripts/gpu_suite.sh [warm] [tests] [bench] [memory] [compile]     (default: all)
 # Logs go to $OUT (or ./gpu-logs); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stages=${*:-tests bench compile}
+stages=${*:-warm tests bench memory compile}
 summary=()
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
@@ -16,13 +16,20 @@ summary=()
 } > "$OUT/env.txt" 2>&1
 for stage in $stages; do
   case $stage in
+    warm)  # build every variant for this GPU in parallel, into CuPy's disk cache
+      summary+=("warm: $(python3 -m cuflash.compile_check --warm 2>&1 | tail -n 1)")
+      ;;
     tests)
-      python3 -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" >/dev/null
+      python3 -m pytest tests -q -rs -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests.log" >/dev/null
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
       ;;
     bench)
       python3 -m bench.bench_forward --json "$OUT/bench_forward.json" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
       summary+=("bench: rc=$? (table above, $OUT/bench.md)")
+      ;;
+    memory)
+      python3 -m bench.memory --json "$OUT/memory.json" 2>"$OUT/memory.err" | tee "$OUT/memory.md"
+      summary+=("memory: rc=$? ($OUT/memory.md)")
       ;;
     compile)
       python3 -m cuflash.compile_check > "$OUT/compile_check.txt" 2>&1

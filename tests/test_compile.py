@@ -14,7 +14,7 @@ def reports():
 
 
 def test_every_variant_builds_for_each_arch(reports):
-    variants = _config.all_forward_variants()
+    variants = _config.all_variants()
     built = {(v.key, arch) for v, arch, _ in reports}
     assert built == {(v.key, arch) for v in variants for arch in compile_check.DEFAULT_ARCHS}
 
@@ -25,12 +25,16 @@ def test_no_variant_spills(reports):
 
 
 def test_dispatcher_only_picks_listed_variants():
-    listed = {v.key for v in _config.all_forward_variants()}
+    listed = {v.key for v in _config.all_variants()}
     for dtype in _config.SUPPORTED_DTYPES:
         for d in range(8, 257, 8):
             for dv in (8, d, 256):
                 for causal in (False, True):
                     assert _config.forward_config(dtype, d, dv, causal).key in listed
+                    for deterministic in (False, True):
+                        plan = _config.backward_plan(dtype, d, dv, causal, deterministic)
+                        for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
+                            assert kernel is None or kernel.key in listed
 
 
 def test_compile_error_is_reported():

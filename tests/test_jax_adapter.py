@@ -4,6 +4,7 @@ Error bounds: the forward within 2x, gradients within 3x, of what plain jnp atte
 same dtype gets wrong against the float64 reference.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -66,10 +67,10 @@ def jnp_attention(q, k, v, causal, scale=None):
     return p @ v
 
 
-def cuflash_attention(q, k, v, causal, scale=None):
+def cuflash_attention(q, k, v, causal, scale=None, deterministic=False):
     import cuflash.jax
 
-    return cuflash.jax.attention(q, k, v, causal=causal, scale=scale)
+    return cuflash.jax.attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic)
 
 
 def loss_of(attend, w, causal):
@@ -147,6 +148,17 @@ def test_vmap(rng):
         for got, expected in ((dq[i], eq), (dk[i], ek)):
             got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
             np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+
+
+def test_deterministic_gradients(rng):
+    q, k, v, w, causal = host_inputs(rng, CASES[2], "bfloat16")
+    args = tuple(jnp.asarray(x) for x in (q, k, v))
+    attend = functools.partial(cuflash_attention, deterministic=True)
+    grad = jax.jit(jax.grad(loss_of(attend, w, causal), argnums=(0, 1, 2)))
+    first = [np.asarray(g) for g in grad(*args)]
+    for _ in range(2):
+        for a, b in zip(first, grad(*args)):
+            assert np.array_equal(a, np.asarray(b))
 
 
 def test_bad_arguments_fail_at_trace_time():
