@@ -9,7 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cuflash
 
 seq, hd, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-det = len(sys.argv) > 4 and sys.argv[4] == "det"
+det = "det" in sys.argv[4:]
+tiles = [tuple(map(int, t.split(","))) for t in sys.argv[4:] if t != "det"]
 b, h = 16384 // seq, 2048 // hd
 flops = 2.5 * 4 * seq * seq * hd * h * b / (2 if causal else 1)
 stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -56,3 +57,8 @@ def sdpa_bwd(*_):
 
 print(f"bwd seq {seq} hd {hd} causal {causal}: sdpa_flash %.3f ms %.1f TF" % bench(sdpa_bwd))
 print(f"  cuflash{' deterministic' if det else ''} %.3f ms %.1f TF" % bench(cf))
+for t in tiles:  # (query rows, keys, warps, min_blocks) of flash_bwd_kernel
+    from cuflash import _config
+
+    with _config.backward_tiles_override({_config.head_dim_bucket(hd): t}):
+        print(f"  cuflash {t} %.3f ms %.1f TF" % bench(cf))

@@ -299,7 +299,7 @@ class AttentionGradients(NamedTuple):
 
 
 # Field order of struct BwdParams in kernels/common.cuh (every member 8 bytes).
-_BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * 4) + "qq"
+_BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * 4) + "qq" + "q"
 
 
 def _reduce_to(grad, out_lead, shape, group):
@@ -388,8 +388,12 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         delta = cupy.empty((num_batch, nq_pad), cupy.float32)
         alloc = cupy.zeros if plan.atomic_dq else cupy.empty
         dq_acc = alloc(layout.out_lead_shape + (nq, d), cupy.float32)
-        dk_acc = cupy.empty(layout.out_lead_shape + (nk, d), cupy.float32)
-        dv_acc = cupy.empty(layout.out_lead_shape + (nk, dv), cupy.float32)
+        # When k and v are not broadcast or grouped, each key row gets its gradient from one
+        # CTA: the kernel writes dK and dV final, in the input dtype, with no float32 copy.
+        kv_direct = all(tuple(x.shape[:-2]) == layout.out_lead_shape for x in (k, v))
+        kv_dtype = q.dtype if kv_direct else cupy.float32
+        dk_acc = cupy.empty(layout.out_lead_shape + (nk, d), kv_dtype)
+        dv_acc = cupy.empty(layout.out_lead_shape + (nk, dv), kv_dtype)
 
         row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
         params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale)
@@ -398,7 +402,7 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
             _BWD_PARAM_FORMAT,
             do.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, lse2.data.ptr, delta.data.ptr,
             dq_acc.data.ptr, dk_acc.data.ptr, dv_acc.data.ptr, nq_pad,
-            *do_lead, *o_lead, strides["do"][-2], strides["o"][-2],
+            *do_lead, *o_lead, strides["do"][-2], strides["o"][-2], int(kv_direct and dtype != "float32"),
         ))
         args = (params, bparams)
         _launch(plan.preprocess, nq_pad // plan.preprocess.warps, num_batch, args, d, dv)
@@ -409,6 +413,9 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
 
         out_lead = layout.out_lead_shape
         dq = _reduce_to(dq_acc, out_lead, q.shape, 1).astype(q.dtype)
-        dk = _reduce_to(dk_acc, out_lead, k.shape, layout.kv_group).astype(k.dtype)
-        dv_ = _reduce_to(dv_acc, out_lead, v.shape, layout.kv_group).astype(v.dtype)
+        if kv_direct:
+            dk, dv_ = dk_acc.reshape(k.shape), dv_acc.reshape(v.shape)
+        else:
+            dk = _reduce_to(dk_acc, out_lead, k.shape, layout.kv_group).astype(k.dtype)
+            dv_ = _reduce_to(dv_acc, out_lead, v.shape, layout.kv_group).astype(v.dtype)
     return AttentionGradients(dq, dk, dv_)

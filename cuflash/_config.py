@@ -422,6 +422,18 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     return BackwardPlan(pre, passes, dq, atomic)
 
 
+@contextlib.contextmanager
+def backward_tiles_override(tiles_by_bucket):
+    """Temporarily replace _TC_BACKWARD_TILES entries (tuning runs, like forward_tiles_override)."""
+    saved = dict(_TC_BACKWARD_TILES)
+    _TC_BACKWARD_TILES.update(tiles_by_bucket)
+    try:
+        yield
+    finally:
+        _TC_BACKWARD_TILES.clear()
+        _TC_BACKWARD_TILES.update(saved)
+
+
 def all_backward_variants():
     variants = {}
     for causal in (False, True):

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import multiprocessing
+import os
 import sys
 
 from . import _config, _loader
@@ -30,12 +33,8 @@ def _compile_chunk(task):
 def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
     """[(variant, arch, report)] for every variant; raises RuntimeError on a compile error.
 
-    Variants are compiled in chunks of one source file, spread over ``jobs`` processes
-    (NVRTC needs no GPU, so forked workers are safe).
+    Variants are compiled in chunks of one source file, spread over ``jobs`` processes.
     """
-    import concurrent.futures
-    import os
-
     variants = list(variants if variants is not None else _config.all_variants())
     by_source = collections.defaultdict(list)
     for variant in variants:
@@ -47,7 +46,8 @@ def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
         for i in range(0, len(group), chunk)
     ]
     jobs = jobs or os.cpu_count() or 1
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks))) as pool:
+    context = multiprocessing.get_context("spawn")  # the caller may hold threads (JAX, torch)
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
         results = list(pool.map(_compile_chunk, tasks))
     by_key = {(arch, expr): report for arch, reports in results for expr, report in reports.items()}
     return [(v, arch, by_key[(arch, v.name_expression)]) for arch in archs for v in variants]
@@ -61,10 +61,6 @@ def _warm_one(index):
 
 def warm(jobs=None):
     """Build every variant for the current GPU into CuPy's disk cache; returns the count."""
-    import concurrent.futures
-    import multiprocessing
-    import os
-
     count = len(_config.all_variants())
     jobs = jobs or min(16, os.cpu_count() or 1)
     context = multiprocessing.get_context("spawn")  # no CUDA state crosses a fork

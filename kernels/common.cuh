@@ -46,12 +46,13 @@ struct BwdParams {
     float* lse2;       // (num_batch, nq_pad): (m + log l) * log2(e), +inf for rows without keys
     float* delta;      // (num_batch, nq_pad): rowsum(dO * O)
     float* dq_acc;     // (num_batch, nq, d) fp32; zeroed first when dQ is accumulated atomically
-    float* dk_acc;     // (num_batch, nk, d) fp32
-    float* dv_acc;     // (num_batch, nk, dv) fp32
+    float* dk_acc;     // (num_batch, nk, d): fp32, or the input dtype when dkv_in_dtype
+    float* dv_acc;     // (num_batch, nk, dv): likewise
     i64 nq_pad;        // a multiple of every query tile, so statistics tiles never read past it
     i64 do_lead_stride[kMaxLead];
     i64 o_lead_stride[kMaxLead];
     i64 do_row_stride, o_row_stride;
+    i64 dkv_in_dtype;  // 1: k/v are not broadcast, so dK/dV are final and stored as T directly
 };
 
 // Offset of one (batch..., head) slice of a tensor laid out over the output's leading dims.

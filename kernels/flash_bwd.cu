@@ -55,6 +55,18 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
     }
 }
 
+// Stores two adjacent gradient values at row_offset + col (col < ncols, even), as fp32 or,
+// when in_dtype, packed in the input dtype T.
+template <typename T>
+__device__ __forceinline__ void store_pair(float* base, i64 row_offset, int col, i64 ncols, i64 in_dtype,
+                                           float x0, float x1) {
+    if (col >= ncols) return;
+    if (in_dtype)
+        *reinterpret_cast<u32*>(reinterpret_cast<T*>(base) + row_offset + col) = pack2<T>(x0, x1);
+    else
+        *reinterpret_cast<float2*>(base + row_offset + col) = make_float2(x0, x1);
+}
+
 template <int HD, int HDV, int BR, int BC>
 struct BwdSmemLayout {
     static constexpr int k_pitch = HD + kSmemPad, q_pitch = HD + kSmemPad;
@@ -318,29 +330,22 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         }
     }
 
-    // -- write this warp's dK (scaled) and dV rows, fp32 --
+    // -- write this warp's dK (scaled) and dV rows: fp32 for a later reduction, or final in T --
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const i64 key = my_key[h];
         if (key >= nk) continue;
         if constexpr (DO_DK) {
-            float* row = b.dk_acc + (bidx * nk + key) * p.d;
 #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                const int col = n * 8 + my_col;
-                if (col < p.d)
-                    *reinterpret_cast<float2*>(row + col) =
-                        make_float2(scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
-            }
+            for (int n = 0; n < HD / 8; ++n)
+                store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, n * 8 + my_col, p.d, b.dkv_in_dtype,
+                              scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
         }
         if constexpr (DO_DV) {
-            float* row = b.dv_acc + (bidx * nk + key) * p.dv;
 #pragma unroll
-            for (int n = 0; n < HDV / 8; ++n) {
-                const int col = n * 8 + my_col;
-                if (col < p.dv)
-                    *reinterpret_cast<float2*>(row + col) = make_float2(acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
-            }
+            for (int n = 0; n < HDV / 8; ++n)
+                store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, n * 8 + my_col, p.dv, b.dkv_in_dtype,
+                              acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
         }
     }
 }

@@ -68,12 +68,15 @@ def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype):
     exact = ref.standard_attention_backward(do, q, k, v, causal=causal, scale=scale)
     plain = None if dtype == "float32" else ref.lowp_attention_backward(do, q, k, v, dtype=dtype, causal=causal, scale=scale)
     errors = []
+    # Some gradients are exactly 0 (one key per row: softmax is constant); their float32
+    # error is judged against a thousandth of the largest gradient's norm instead.
+    floor = 1e-3 * max(np.linalg.norm(e) for e in exact)
     for i, (name, g, e) in enumerate(zip(("dq", "dk", "dv"), got, exact)):
         assert g.shape == e.shape, f"{name} shape {g.shape} != {e.shape}"
         assert not np.isnan(g).any(), f"NaN in {name}"
         err = max_err(g, e)
         if dtype == "float32":
-            rel = np.linalg.norm(g - e) / max(np.linalg.norm(e), 1e-30)
+            rel = np.linalg.norm(g - e) / max(np.linalg.norm(e), floor, 1e-30)
             assert rel < 1e-5, f"{name}: float32 relative error {rel:.3g}"
         else:
             bound = 3 * max_err(plain[i], e) + 1e-6
