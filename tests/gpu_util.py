@@ -68,16 +68,17 @@ def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype):
     exact = ref.standard_attention_backward(do, q, k, v, causal=causal, scale=scale)
     plain = None if dtype == "float32" else ref.lowp_attention_backward(do, q, k, v, dtype=dtype, causal=causal, scale=scale)
     errors = []
-    # Some gradients are exactly 0 (one key per row: softmax is constant); their float32
-    # error is judged against a thousandth of the largest gradient's norm instead.
-    floor = 1e-3 * max(np.linalg.norm(e) for e in exact)
+    # float32: elementwise, against the gradient's own largest entry, or a tenth of the largest
+    # entry of all three. Some gradients are exactly 0 (one key per row: softmax is constant)
+    # and what remains there is float32 cancellation in dP - D, relative to dV's scale.
+    floor = 0.1 * max(np.max(np.abs(e), initial=0.0) for e in exact)
     for i, (name, g, e) in enumerate(zip(("dq", "dk", "dv"), got, exact)):
         assert g.shape == e.shape, f"{name} shape {g.shape} != {e.shape}"
         assert not np.isnan(g).any(), f"NaN in {name}"
         err = max_err(g, e)
         if dtype == "float32":
-            rel = np.linalg.norm(g - e) / max(np.linalg.norm(e), floor, 1e-30)
-            assert rel < 1e-5, f"{name}: float32 relative error {rel:.3g}"
+            rel = err / max(np.max(np.abs(e), initial=0.0), floor, 1e-30)
+            assert rel < 2e-5, f"{name}: float32 error {err:.3g}, {rel:.3g} of the gradient's scale"
         else:
             bound = 3 * max_err(plain[i], e) + 1e-6
             assert err <= bound, f"{name}: max error {err:.3g} > 3 x plain {dtype} error ({bound:.3g})"
