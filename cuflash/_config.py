@@ -27,6 +27,16 @@ SMEM_PAD = 8  # elements of padding per shared-memory row (kSmemPad in flash_fwd
 _TYPE_TAG = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
 
 
+class _Launch:
+    """What every kernel variant shares: a CTA of ``warps`` warps."""
+
+    warps: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
 def head_dim_bucket(dim: int) -> int:
     for bucket in HEAD_DIM_BUCKETS:
         if dim <= bucket:
@@ -35,7 +45,7 @@ def head_dim_bucket(dim: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorCoreForward:
+class TensorCoreForward(_Launch):
     """A float16/bfloat16 forward variant (kernels/flash_fwd.cu, ``flash_fwd_kernel``)."""
 
     dtype: str
@@ -49,10 +59,6 @@ class TensorCoreForward:
     qk_unroll: int = 2  # unroll of the QK^T k-loop when a warp holds several row tiles
 
     source = "flash_fwd.cu"
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         q_pitch = max(self.head_dim, self.head_dim_v) + SMEM_PAD
@@ -78,7 +84,7 @@ class TensorCoreForward:
 
 
 @dataclasses.dataclass(frozen=True)
-class Float32Forward:
+class Float32Forward(_Launch):
     """The exact-fp32 forward variant (kernels/flash_fwd_f32.cu, ``flash_fwd_f32_kernel``)."""
 
     value_tiles: int  # DVT: O columns per lane, ceil(dv / 32)
@@ -93,10 +99,6 @@ class Float32Forward:
     @property
     def block_rows(self) -> int:
         return self.warps * self.rows_per_warp
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int, dv: int = 0) -> int:
         elems = self.block_rows * d + self.block_cols * (d + 1) + self.block_cols * 32 * self.value_tiles
@@ -179,17 +181,13 @@ STATS_ROW_MULTIPLE = 128  # lse2 / D rows are padded to this; every query tile d
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardPreprocess:
+class BackwardPreprocess(_Launch):
     """D = rowsum(dO * O) and lse2 per query row (``flash_bwd_preprocess``)."""
 
     dtype: str
     warps: int = 8  # one row per warp
 
     source = "flash_bwd.cu"
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         return 0
@@ -204,7 +202,7 @@ class BackwardPreprocess:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorCoreBackward:
+class TensorCoreBackward(_Launch):
     """dK, dV (and atomic dQ) for float16/bfloat16 (``flash_bwd_kernel``), one CTA per key tile."""
 
     dtype: str
@@ -220,10 +218,6 @@ class TensorCoreBackward:
     atomic_dq: bool
 
     source = "flash_bwd.cu"
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
@@ -249,7 +243,7 @@ class TensorCoreBackward:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorCoreBackwardDq:
+class TensorCoreBackwardDq(_Launch):
     """Deterministic dQ for float16/bfloat16 (``flash_bwd_dq_kernel``), one CTA per query tile."""
 
     dtype: str
@@ -262,10 +256,6 @@ class TensorCoreBackwardDq:
     causal: bool
 
     source = "flash_bwd.cu"
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
@@ -289,7 +279,7 @@ class TensorCoreBackwardDq:
 
 
 @dataclasses.dataclass(frozen=True)
-class Float32BackwardDkDv:
+class Float32BackwardDkDv(_Launch):
     """Exact-fp32 dK, dV (``flash_bwd_dkdv_f32_kernel``)."""
 
     dim_tiles: int  # DT = DVT = ceil(max(d, dv) / 32)
@@ -303,10 +293,6 @@ class Float32BackwardDkDv:
     @property
     def block_cols(self) -> int:
         return self.warps * self.keys_per_warp
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int, dv: int) -> int:
         bk, pitch = self.block_cols, 32 * self.dim_tiles + 1
@@ -325,7 +311,7 @@ class Float32BackwardDkDv:
 
 
 @dataclasses.dataclass(frozen=True)
-class Float32BackwardDq:
+class Float32BackwardDq(_Launch):
     """Exact-fp32 dQ (``flash_bwd_dq_f32_kernel``)."""
 
     dim_tiles: int
@@ -339,10 +325,6 @@ class Float32BackwardDq:
     @property
     def block_rows(self) -> int:
         return self.warps * self.rows_per_warp
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     def smem_bytes(self, d: int, dv: int) -> int:
         br = self.block_rows
