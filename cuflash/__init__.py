@@ -6,10 +6,10 @@
 Importing cuflash needs neither a GPU nor CuPy's CUDA libraries; they load on first call.
 """
 
-from . import reference
+from . import masks, reference
 from ._api import AttentionGradients, AttentionOutput, attention, attention_backward
 
-__all__ = ["attention", "attention_backward", "AttentionOutput", "AttentionGradients", "reference"]
+__all__ = ["attention", "attention_backward", "AttentionOutput", "AttentionGradients", "masks", "reference"]
 __version__ = "0.1.0"
 
 

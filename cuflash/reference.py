@@ -50,6 +50,12 @@ Functions
 * :func:`standard_attention_backward` -- analytic gradients.
 * :func:`flash_backward_tiled` -- FlashAttention backward (Algorithm 4),
   block by block with recomputation.
+* :func:`block_sparse_forward_tiled` -- block-sparse FlashAttention
+  (Algorithm 5): Algorithm 1 that skips the tiles a
+  :class:`cuflash.masks.BlockMask` marks absent.
+* :func:`element_mask` -- the element mask a block mask and a sliding window
+  stand for; ``standard_attention(mask=element_mask(...))`` is the oracle of
+  block-sparse and windowed attention.
 * :func:`lowp_attention` -- plain attention evaluated the way a framework does
   it in float16 / bfloat16 / float32; its error against the float64 reference
   sets the error budget of the kernels.
@@ -63,6 +69,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .masks import BlockMask, _check_window_side, sliding_window
+
 __all__ = [
     "ReferenceOutput",
     "BroadcastPlan",
@@ -73,6 +81,8 @@ __all__ = [
     "standard_attention_backward",
     "flash_forward_tiled",
     "flash_backward_tiled",
+    "block_sparse_forward_tiled",
+    "element_mask",
     "round_to",
     "lowp_attention",
     "lowp_attention_backward",
@@ -532,6 +542,200 @@ def flash_backward_tiled(
     dk = _reduce_kv_grad(dk_x, k_in.shape, plan)
     dv = _reduce_kv_grad(dv_x, v_in.shape, plan)
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------
+# Block-sparse FlashAttention (paper Algorithm 5) and sliding windows
+# --------------------------------------------------------------------------
+
+
+def _window_pair(window) -> Optional[Tuple[int, int]]:
+    """None, or window = (left, right) with each side an int >= 0 or -1 (unbounded)."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a (left, right) pair, got {window!r}") from None
+    return _check_window_side(left, "window left"), _check_window_side(right, "window right")
+
+
+def element_mask(nq: int, nk: int, *, block_mask: Optional[BlockMask] = None, window=None, batch_shape=None) -> np.ndarray:
+    """The element mask (True = allowed) that a block mask and a window stand for.
+
+    ``block_mask.to_elements(nq, nk) & sliding_window(nq, nk, *window)``, each
+    part left out when None.  This is the definition the block-sparse kernels
+    are tested against: ``standard_attention(q, k, v, causal=causal,
+    mask=element_mask(...))`` is their oracle (causal is applied by
+    standard_attention, on top, as usual).
+
+    The result has shape ``(*batch, nq, nk)`` and may be a read-only
+    broadcast view.  batch_shape None means the block mask's own leading
+    shape (``()`` without a block mask); otherwise the block mask's leading
+    dimensions must broadcast to batch_shape (ValueError quoting both).
+    """
+    window = _window_pair(window)
+    allowed = np.ones((nq, nk), dtype=bool)
+    if window is not None:
+        allowed = sliding_window(nq, nk, *window)
+    lead: Tuple[int, ...] = ()
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a cuflash.masks.BlockMask, got {type(block_mask).__name__}")
+        if batch_shape is not None:
+            block_mask.check(nq, nk, batch_shape=tuple(batch_shape))
+        allowed = allowed & block_mask.to_elements(nq, nk)
+        lead = block_mask.batch_shape
+    target = (lead if batch_shape is None else tuple(batch_shape)) + (nq, nk)
+    return np.broadcast_to(allowed, target)
+
+
+def _tile_allowed(rows: slice, cols: slice, shift: int, causal: bool, window) -> np.ndarray:
+    """Element mask of one tile from the row/column indices: causal and window only."""
+    i = np.arange(rows.start, rows.stop)[:, None]
+    j = np.arange(cols.start, cols.stop)[None, :]
+    allowed = np.ones((i.shape[0], j.shape[1]), dtype=bool)
+    if causal:
+        allowed &= j <= i + shift
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= j >= i + shift - left
+        if right >= 0:
+            allowed &= j <= i + shift + right
+    return allowed
+
+
+def _block_sparse_forward_head(q, k, v, q_num_blocks, q_indices, scale, block_size, causal, window, on_tile):
+    """Algorithm 5 for one head: q (Nq, d), k (Nk, d), v (Nk, dv).
+
+    q_num_blocks (Tk,) and q_indices (Tk, W) are this head's per-key-block
+    lists of present query blocks: column j of the block-sparsity matrix M has
+    M_ij != 0 exactly for i in q_indices[j, :q_num_blocks[j]].  on_tile(i, j),
+    if given, is called for every tile processed.
+    """
+    nq, nk = q.shape[0], k.shape[0]
+    shift = nk - nq
+    # Line 1: initialise the dropout RNG -- not needed, cuflash has no dropout.
+    # Line 2: block sizes Br x Bc -- the block mask's tiles (its entries M_ij
+    #         describe exactly these tiles).
+    block_rows, block_cols = block_size
+    # Line 3: initialise O = 0, l = 0, m = -inf in HBM.
+    o = np.zeros((nq, v.shape[1]))
+    l = np.zeros(nq)
+    m = np.full(nq, -np.inf)
+    # Lines 4-5: split Q, O, l, m into Tr row blocks of Br rows and K, V into
+    # Tc column blocks of Bc rows (the last block of each may be short).
+    row_blocks = _blocks(nq, block_rows)
+    col_blocks = _blocks(nk, block_cols)
+
+    for j, cols in enumerate(col_blocks):  # Line 6: for 1 <= j <= Tc
+        count = int(q_num_blocks[j])
+        if count == 0:
+            # No present tile in this column: the paper would still load
+            # K_j, V_j (line 7) and then skip every i; we skip the load too.
+            continue
+        k_j, v_j = k[cols], v[cols]  # Line 7: load K_j, V_j to SRAM.
+        # Lines 8-9: for 1 <= i <= Tr, if M_ij != 0 -- i.e. the present row
+        # blocks of column j, in increasing order.  Absent tiles are never
+        # touched: no load of Q_i, O_i, l_i, m_i and no arithmetic.
+        for i in q_indices[j, :count]:
+            rows = row_blocks[i]
+            if on_tile is not None:
+                on_tile(int(i), j)
+            # Line 10: load Q_i, O_i, l_i, m_i to SRAM.
+            q_i, o_i, l_i, m_i = q[rows], o[rows], l[rows], m[rows]
+
+            # Line 11: S_ij = tau Q_i K_j^T.
+            s_ij = scale * (q_i @ k_j.T)
+            # Line 12: S_ij^masked = MASK(S_ij): the element masks that apply
+            # inside a present tile (causal, window).  Ragged ends need no
+            # mask: the short last blocks simply have fewer rows / columns.
+            s_ij = np.where(_tile_allowed(rows, cols, shift, causal, window), s_ij, -np.inf)
+
+            # Line 13: m~_ij = rowmax(S), P~_ij = exp(S - m~_ij),
+            # l~_ij = rowsum(P~_ij).  Rows with no allowed key in this tile get
+            # m~ = -inf; the safe shift makes their P~ row exactly 0.
+            m_tilde = s_ij.max(axis=1)
+            p_tilde = np.exp(s_ij - _shift_of(m_tilde)[:, None])
+            l_tilde = p_tilde.sum(axis=1)
+
+            # Line 14: m_new = max(m_i, m~_ij),
+            # l_new = e^{m_i - m_new} l_i + e^{m~_ij - m_new} l~_ij
+            # (both factors 0, not NaN, while no allowed key has been seen).
+            m_new = np.maximum(m_i, m_tilde)
+            shift_new = _shift_of(m_new)
+            old_factor = np.exp(m_i - shift_new)
+            block_factor = np.exp(m_tilde - shift_new)
+            l_new = old_factor * l_i + block_factor * l_tilde
+
+            # Line 15: dropout of P~_ij -- not applicable.
+            # Line 16: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i
+            #                                 + e^{m~_ij - m_new} P~_ij V_j).
+            numerator = (l_i * old_factor)[:, None] * o_i + block_factor[:, None] * (p_tilde @ v_j)
+            o[rows] = numerator / _safe_divisor(l_new)[:, None]
+
+            # Line 17: write l_i <- l_new, m_i <- m_new to HBM.
+            l[rows] = l_new
+            m[rows] = m_new
+        # Line 18: end if.  Line 19: end for (rows).
+    # Line 20: end for (columns).  Line 21: return O, l, m.
+    # Rows whose every tile is absent (or fully masked) keep O = 0, l = 0,
+    # m = -inf from line 3.
+    return o, l, m
+
+
+def block_sparse_forward_tiled(
+    q,
+    k,
+    v,
+    block_mask: BlockMask,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window=None,
+    on_tile=None,
+) -> ReferenceOutput:
+    """Block-sparse FlashAttention forward (paper Algorithm 5) in float64.
+
+    q, k, v and the result as in :func:`standard_attention`.  block_mask: a
+    :class:`cuflash.masks.BlockMask` with ``Tq = ceil(Nq / bq)``,
+    ``Tk = ceil(Nk / bk)`` and leading dimensions that broadcast to the
+    attention batch shape; its block size is the tile size.  Tiles whose
+    block is absent are skipped without any load or arithmetic; inside a
+    present tile ``causal`` and ``window = (left, right)`` (see
+    :func:`cuflash.masks.sliding_window`; -1 = unbounded side) mask elements.
+
+    Equal, up to float64 rounding, to::
+
+        standard_attention(q, k, v, causal=causal, scale=scale,
+                           mask=element_mask(Nq, Nk, block_mask=block_mask, window=window))
+
+    on_tile: optional callable ``on_tile(batch_index, i, j)``, called once for
+    every tile processed (batch_index is the tuple index into the batch
+    shape); tests use it to check that exactly the present tiles are visited.
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.masks.BlockMask, got {type(block_mask).__name__}")
+    window = _window_pair(window)
+    q, k, v, _, scale, plan = _prepare(q, k, v, False, scale, None)
+    batch_shape = plan.batch_shape
+    nq, nk = q.shape[-2], k.shape[-2]
+    block_mask.check(nq, nk, batch_shape=batch_shape)
+    tk = block_mask.shape[-1]
+    q_num_blocks = np.broadcast_to(block_mask.q_num_blocks, batch_shape + (tk,))
+    q_indices = np.broadcast_to(block_mask.q_indices, batch_shape + block_mask.q_indices.shape[-2:])
+
+    o = np.empty(batch_shape + (nq, v.shape[-1]))
+    l = np.empty(batch_shape + (nq,))
+    m = np.empty(batch_shape + (nq,))
+    for index in np.ndindex(*batch_shape):
+        visit = None if on_tile is None else (lambda i, j, index=index: on_tile(index, i, j))
+        o[index], l[index], m[index] = _block_sparse_forward_head(
+            q[index], k[index], v[index], q_num_blocks[index], q_indices[index],
+            scale, block_mask.block_size, causal, window, visit,
+        )
+    return ReferenceOutput(o, l, m)
 
 
 # --------------------------------------------------------------------------
