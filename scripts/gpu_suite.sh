@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call (what every session and reviewer runs on the device):
-#   scripts/gpu_suite.sh [warm] [tests] [bench] [memory] [compile]     (default: all)
+#   scripts/gpu_suite.sh [warm] [tests] [bench] [compile]     (default: all)
 # Logs go to $OUT (or ./gpu-logs); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stages=${*:-warm tests bench memory compile}
+stages=${*:-warm tests bench compile}
 summary=()
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
@@ -23,13 +23,9 @@ for stage in $stages; do
       python3 -m pytest tests -q -rs -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests.log" >/dev/null
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
       ;;
-    bench)
-      python3 -m bench.bench_forward --json "$OUT/bench_forward.json" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
-      summary+=("bench: rc=$? (table above, $OUT/bench.md)")
-      ;;
-    memory)
-      python3 -m bench.memory --json "$OUT/memory.json" 2>"$OUT/memory.err" | tee "$OUT/memory.md"
-      summary+=("memory: rc=$? ($OUT/memory.md)")
+    bench)  # cuflash-bench: speed, memory, IO and block-sparse tables
+      python3 -m bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
+      summary+=("bench: rc=${PIPESTATUS[0]} (tables above, $OUT/bench.md)")
       ;;
     compile)
       python3 -m cuflash.compile_check > "$OUT/compile_check.txt" 2>&1

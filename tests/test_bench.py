@@ -1,4 +1,5 @@
-"""CPU tests of bench/bench_forward.py and bench/memory.py: FLOP counts, shapes, argument
+"""CPU tests of bench/bench_forward.py and bench/memory.py (wrappers of cuflash.bench.speed and
+cuflash.bench.memory with their original command lines): FLOP counts, shapes, argument
 parsing, report layout, the standard backward's algebra (NumPy standing in for CuPy), and the
 memory benchmark's bookkeeping.
 
@@ -16,6 +17,7 @@ import pytest
 from bench import bench_forward as bf
 from bench import memory as bm
 from cuflash import reference as ref
+from cuflash.bench import speed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -249,8 +251,8 @@ def test_run_config_backward_plumbing(monkeypatch):
             return ref.standard_attention_backward(do, q, k, v, causal=causal)
         return bf.Backend("cuflash", run, prepare=prepare, is_cuflash=True)
 
-    monkeypatch.setattr(bf, "time_call", fake_time_call)
-    monkeypatch.setattr(bf, "cuflash_backward_backend", reference_backward)
+    monkeypatch.setattr(speed, "time_call", fake_time_call)  # where run_config looks them up
+    monkeypatch.setattr(speed, "cuflash_backward_backend", reference_backward)
     args = bf.parse_args(["--modes", "bwd", "--repeats", "2", "--tiles", "128,64,8,1"])
     rng = np.random.default_rng(1)
     sets = [tuple(rng.standard_normal((1, 2, 32, 16)).astype(np.float32) for _ in range(4))

@@ -1,0 +1,8 @@
+"""python -m cuflash.bench: the cuflash-bench command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""cuflash-bench: cuflash and its peers side by side, in one process, on the GPU at hand.
+
+    cuflash-bench                                  # the default sweep: every table
+    cuflash-bench --tables speed --modes fwd --seqlens 4096 16384 --hdims 128
+    cuflash-bench --tables io                      # the IO table; counts need no GPU
+    cuflash-bench --tables io --io                 # bytes measured by ncu
+    cuflash-bench --json out.json --csv out.csv --plot tflops.png
+
+(``python -m cuflash.bench`` and, in the repository, ``python -m bench`` do the same.)
+
+Tables, in this order, on stdout as each is done; a progress bar on stderr meanwhile:
+
+1. speed: forward, backward and forward + backward, ms and TFLOP/s per sequence length,
+   head dim, causal setting and dtype (16k tokens per batch, hidden 2048), cuflash against
+   standard attention (CuPy) and torch SDPA's flash, cuDNN and efficient backends; cuflash's
+   ratio to each peer and its share of the matmul ceiling measured at the start
+   (cuflash.bench.speed).
+2. memory: peak extra device memory of forward + backward against the sequence length, and
+   where standard attention runs out of memory (cuflash.bench.memory).
+3. io: the FlashAttention paper's Fig. 2 for GPT-2 medium attention, and bytes and runtime
+   against the tile size (cuflash.bench.io).
+4. sparse: block-sparse patterns, density, ms and speedup over dense, with torch
+   FlexAttention on the same block mask (cuflash.bench.sparse).
+
+A peer that fails or is missing shows as a dash with the reason in a footnote. A cuflash
+failure shows as FAILED with its reason, and the exit status is then 1. With no CUDA device:
+one line on stderr and exit status 2, except ``--tables io`` without ``--io``, which prints the
+analytical IO table. Bad arguments: argparse's message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from typing import Optional
+
+from . import common, io, memory, sparse, speed
+
+TABLES = ("speed", "memory", "io", "sparse")
+ALL_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "cuflash_torch")
+DEFAULT_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+NO_GPU_RUNTIME = "no CUDA device found: runtime not measured"
+CSV_FIELDS = ("table", "dtype", "mode", "seqlen", "hdim", "batch", "heads", "causal", "backend",
+              "pattern", "density", "tiles", "status", "ms", "tflops", "flops", "peak_bytes",
+              "bytes_read", "bytes_written", "bytes_source", "error")
+
+
+# ---- arguments ---------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def head_dim(text: str) -> int:
+    from cuflash import _config
+
+    value = positive_int(text)
+    step, top = _config.HEAD_DIM_MULTIPLE, _config.MAX_HEAD_DIM
+    if value % step or value > top:
+        raise argparse.ArgumentTypeError(
+            f"head dims are multiples of {step} from {step} to {top}, got {value}")
+    return value
+
+
+def sparse_seqlen(text: str) -> int:
+    value = positive_int(text)
+    blocks = value // 128
+    if value % 128 or blocks & (blocks - 1):
+        raise argparse.ArgumentTypeError(
+            f"the block-sparse length must be 128 times a power of two (128 x 128 blocks; the "
+            f"butterfly pattern needs a power-of-two block count), got {value}")
+    return value
+
+
+def build_parser(prog: str = common.PROG) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="cuflash and its peers side by side on the GPU at hand: speed, memory, "
+                    "IO (the FlashAttention paper's Fig. 2) and block-sparse tables.",
+        epilog="Tables go to stdout, progress to stderr. Exit status: 0 done, 1 a cuflash "
+               "measurement failed, 2 bad arguments or no CUDA device.")
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
+                        help="tables to make (default: all)")
+    parser.add_argument("--seqlens", type=positive_int, nargs="+",
+                        default=list(speed.DEFAULT_SEQLENS), metavar="N",
+                        help="speed: sequence lengths (default: %(default)s)")
+    parser.add_argument("--hdims", type=head_dim, nargs="+", default=list(speed.DEFAULT_HDIMS),
+                        metavar="D", help="speed: head dims; memory takes the largest, sparse "
+                                          "the first (default: %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=common.DTYPES, default=["bfloat16"],
+                        help="input dtypes; memory and sparse take the first, io the first "
+                             "16-bit one (else bfloat16) (default: %(default)s)")
+    parser.add_argument("--causal", choices=("no", "yes", "both"), default="both",
+                        help="speed: causal masking; memory: causal only with 'yes' "
+                             "(default: %(default)s)")
+    parser.add_argument("--modes", nargs="+", choices=speed.MODES, default=list(speed.MODES),
+                        help="speed and sparse: fwd (forward), bwd (backward alone), fwdbwd "
+                             "(both in one call) (default: all)")
+    parser.add_argument("--peers", nargs="*", choices=ALL_PEERS, default=list(DEFAULT_PEERS),
+                        help="peer backends: standard and sdpa_* (speed, memory), flex (sparse), "
+                             "cuflash_torch (memory: cuflash through its torch adapter) "
+                             "(default: %(default)s; none: --peers with no name)")
+    parser.add_argument("--io", action="store_true",
+                        help="io: measure the bytes with ncu (Nsight Compute) instead of "
+                             "counting them only")
+    parser.add_argument("--memory-seqlens", type=positive_int, nargs="+",
+                        default=list(memory.DEFAULT_SEQLENS), metavar="N",
+                        help="memory: sequence lengths, batch 1 (default: %(default)s)")
+    parser.add_argument("--sparse-seqlen", type=sparse_seqlen, default=sparse.DEFAULT_SEQLEN,
+                        metavar="N", help="sparse: sequence length (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="timed calls per measurement, the median reported (default: "
+                             f"adaptive, {common.AUTO_MIN_REPEATS} to {common.AUTO_MAX_REPEATS}"
+                             f", about {common.AUTO_TARGET_MS:.0f} ms of work)")
+    parser.add_argument("--warmup", type=positive_int, default=common.WARMUP,
+                        help="untimed calls first; compilation happens here "
+                             "(default: %(default)s)")
+    parser.add_argument("--tiles", type=speed.parse_tiles, action="append", default=[],
+                        metavar="BR,BC,W,MB[,U]",
+                        help="speed, tuning: add a forward column cuflash[...] run with these "
+                             "tiles for the head-dim bucket under test (repeatable)")
+    parser.add_argument("--json", metavar="FILE", help="write the raw numbers to FILE")
+    parser.add_argument("--csv", metavar="FILE", help="write the raw numbers to FILE, one row "
+                                                      "per measurement")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw TFLOP/s against sequence length per backend (speed table; "
+                             "needs matplotlib: pip install 'cuflash[plot]')")
+    parser.add_argument("--tablefmt", default="github",
+                        help="tabulate table format (default: %(default)s)")
+    return parser
+
+
+def _unique(values) -> list:
+    seen = []
+    for v in values:
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
+def matplotlib_missing() -> Optional[str]:
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as exc:
+        return common.first_line(exc)
+    return None
+
+
+def parse_args(argv=None, prog: str = common.PROG) -> argparse.Namespace:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    args.tables = [t for t in TABLES if t in args.tables]
+    args.modes = [m for m in speed.MODES if m in args.modes]
+    args.peers = [p for p in ALL_PEERS if p in args.peers]
+    args.seqlens = sorted(set(args.seqlens))
+    args.memory_seqlens = sorted(set(args.memory_seqlens))
+    args.hdims = _unique(args.hdims)
+    args.dtypes = _unique(args.dtypes)
+    args.causal_modes = speed.causal_modes(args.causal)
+    if args.io and "io" not in args.tables:
+        parser.error("--io measures the io table's bytes with ncu; add io to --tables")
+    if args.plot:
+        if "speed" not in args.tables:
+            parser.error("--plot draws the speed table; add speed to --tables")
+        missing = matplotlib_missing()
+        if missing:
+            parser.error(f"--plot needs matplotlib ({missing}); pip install 'cuflash[plot]'")
+    for option in ("json", "csv", "plot"):
+        path = getattr(args, option)
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                parser.error(f"--{option} {path}: folder {folder} does not exist")
+    return args
+
+
+# ---- raw numbers -------------------------------------------------------------------------
+
+
+def settings(args) -> dict:
+    keep = ("tables", "seqlens", "hdims", "dtypes", "causal", "modes", "peers", "io",
+            "memory_seqlens", "sparse_seqlen", "repeats", "warmup", "tiles", "tablefmt")
+    out = {k: getattr(args, k) for k in keep}
+    out["repeats"] = out["repeats"] or "auto"
+    out["tiles"] = [list(t) for t in out["tiles"]]
+    return out
+
+
+def _row(**values) -> dict:
+    row = {k: "" for k in CSV_FIELDS}
+    for k, v in values.items():
+        row[k] = "" if v is None else v
+    return row
+
+
+def csv_rows(results: dict) -> list:
+    """One row per measurement of every table in results (the JSON document)."""
+    rows = []
+    for r in (results.get("speed") or {}).get("records", []):
+        for name, e in r["backends"].items():
+            rows.append(_row(table="speed", dtype=r.get("dtype"), mode=r.get("mode", "fwd"),
+                             seqlen=r["seqlen"], hdim=r["hdim"], batch=r["batch"],
+                             heads=r["heads"], causal=r["causal"], backend=name,
+                             status=e["status"], ms=e["ms"], tflops=e["tflops"],
+                             flops=r["flops"], error=e.get("error")))
+    for r in (results.get("memory") or {}).get("records", []):
+        for name, e in r["backends"].items():
+            rows.append(_row(table="memory", dtype=r["dtype"], mode="fwdbwd", seqlen=r["seqlen"],
+                             hdim=r["hdim"], batch=r["batch"], heads=r["heads"],
+                             causal=r["causal"], backend=name, status=e["status"],
+                             peak_bytes=e.get("peak_bytes"), error=e.get("error")))
+    res = (results.get("io") or {}).get("result")
+    if res:
+        g = res["shape"]
+        common_fields = dict(table="io", dtype=res["dtype"], seqlen=g["seq"], hdim=g["hdim"],
+                             batch=g["batch"], heads=g["heads"], causal=False)
+        entries = [(name, "fwdbwd", "", e) for name, e in res["methods"].items()]
+        entries += [("cuflash", "fwd", "x".join(map(str, s["tiles"])), s) for s in res["sweep"]]
+        for name, mode, tiles, e in entries:
+            flop = e["gflop"] * 1e9
+            tflops = flop / (e["ms"] * 1e-3) / 1e12 if e.get("ms") else None
+            sources = [("analytical", e["analytical"])]
+            if e.get("ncu") and e["ncu"].get("status") == "ok":
+                sources.append(("ncu", e["ncu"]))
+            for source, traffic in sources:
+                rows.append(_row(**common_fields, mode=mode, backend=name, tiles=tiles,
+                                 status=e["status"], ms=e.get("ms"), tflops=tflops, flops=flop,
+                                 bytes_read=traffic["read"], bytes_written=traffic["write"],
+                                 bytes_source=source, error=e.get("error")))
+    for r in (results.get("sparse") or {}).get("records", []):
+        for name, e in r["backends"].items():
+            rows.append(_row(table="sparse", dtype=r["dtype"], mode=r["mode"], seqlen=r["seqlen"],
+                             hdim=r["hdim"], batch=r["batch"], heads=r["heads"], causal=False,
+                             backend=name, pattern=r["pattern"], density=r["density"],
+                             status=e["status"], ms=e["ms"], flops=r["flops"],
+                             tflops=(r["flops"] / (e["ms"] * 1e-3) / 1e12
+                                     if e["ms"] and r["flops"] else None),
+                             error=e.get("error")))
+    return rows
+
+
+def write_csv(path: str, results: dict) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(csv_rows(results))
+
+
+def write_json(path: str, results: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def plot_speed(path: str, records: list, args) -> None:
+    """TFLOP/s against sequence length, one line per backend (and dtype when several), one
+    panel per (mode, head dim, causal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(m, h, c) for m in args.modes for h in args.hdims for c in args.causal_modes]
+    cols = len(args.hdims) * len(args.causal_modes)
+    rows = len(args.modes)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for k, (mode, hdim, causal) in enumerate(panels):
+        ax = axes[k // cols][k % cols]
+        for dtype in args.dtypes:
+            for name in speed.backend_names(args, mode):
+                points = sorted((r["seqlen"], r["backends"][name]["tflops"]) for r in records
+                                if r.get("mode") == mode and r["hdim"] == hdim
+                                and r["causal"] == causal and r.get("dtype") == dtype
+                                and name in r["backends"] and r["backends"][name]["tflops"])
+                if not points:
+                    continue
+                label = name if len(args.dtypes) == 1 else f"{name} {dtype}"
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.seqlens)
+        ax.set_xticklabels([str(n) for n in args.seqlens], fontsize=7)
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{speed.MODE_NAMES[mode]}, hdim {hdim}, causal {'yes' if causal else 'no'}",
+                     fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- running -----------------------------------------------------------------------------
+
+
+def count_steps(args) -> int:
+    steps = 1  # the ceilings
+    if "speed" in args.tables:
+        steps += speed.count_steps(args)
+    if "memory" in args.tables:
+        steps += memory.count_steps(memory_args(args))
+    if "io" in args.tables:
+        steps += io.count_steps(args)
+    if "sparse" in args.tables:
+        steps += sparse.count_steps(args)
+    return steps
+
+
+def io_dtype(args) -> str:
+    """The IO table's dtype: the first 16-bit one of --dtypes, else bfloat16 (its byte model
+    is that of the tensor-core kernels)."""
+    return next((d for d in args.dtypes if d in ("bfloat16", "float16")), "bfloat16")
+
+
+def kernel_variants(args) -> list:
+    """Every cuflash kernel variant the selected tables will launch (16-bit and float32
+    forward and backward per dtype, head dim and causal setting, the IO table's tile sweep,
+    --tiles columns)."""
+    from cuflash import _config
+
+    shapes = set()  # (dtype, head dim, causal)
+    if "speed" in args.tables:
+        shapes |= {(t, h, c) for t in args.dtypes for h in args.hdims for c in args.causal_modes}
+    if "memory" in args.tables:
+        shapes.add((args.dtypes[0], max(args.hdims), args.causal == "yes"))
+    if "io" in args.tables:
+        shapes.add((io_dtype(args), io.GPT2_MEDIUM["hdim"], False))
+    if "sparse" in args.tables:
+        shapes.add((args.dtypes[0], args.hdims[0], False))
+    variants = []
+    for dtype, hdim, causal in sorted(shapes):
+        variants.append(_config.forward_config(dtype, hdim, hdim, causal))
+        plan = _config.backward_plan(dtype, hdim, hdim, causal, False)
+        variants += [k for k in (plan.preprocess, *plan.key_passes, plan.dq) if k is not None]
+        if "speed" in args.tables and dtype != "float32":
+            variants += [_config.forward_config(dtype, hdim, hdim, causal, tiles=t)
+                         for t in args.tiles]
+    if "io" in args.tables:
+        d = io.GPT2_MEDIUM["hdim"]
+        variants += [_config.forward_config(io_dtype(args), d, d, False, tiles=t)
+                     for t in io.SWEEP_TILES]
+    return list({v.key: v for v in variants}.values())
+
+
+def memory_args(args, tablefmt: Optional[str] = None):
+    return memory.memory_args(args.memory_seqlens, max(args.hdims), args.dtypes[0],
+                              causal=args.causal == "yes", peers=args.peers,
+                              tablefmt=tablefmt or args.tablefmt)
+
+
+def emit(text: str, progress=None) -> None:
+    if progress is not None:
+        progress.clear()
+    print(text, flush=True)
+
+
+def io_failures(result: dict) -> list:
+    failed = []
+    cuflash = result["methods"]["cuflash"]
+    if cuflash.get("status") in ("error", "oom"):
+        failed.append(("io: cuflash forward + backward", cuflash.get("error")))
+    for row in result["sweep"]:
+        if row.get("status") in ("error", "oom"):
+            failed.append((f"io: cuflash forward, tiles {row['tiles']}", row.get("error")))
+    return failed
+
+
+def run_analytical_io(args) -> int:
+    """--tables io without a GPU: the counts, runtime marked as not measured."""
+    notes = common.Footnotes()
+    result = io.analytical_io(io_dtype(args))
+    print(io.format_io(result, notes, args.tablefmt, no_gpu_reason=NO_GPU_RUNTIME), flush=True)
+    results = {"info": {"gpu": None, "reason": "no CUDA device found", "commit": common.git_commit()},
+               "settings": settings(args), "io": {"result": result, "footnotes": notes.texts}}
+    write_outputs(args, results)
+    return 0
+
+
+def write_outputs(args, results: dict) -> None:
+    if args.json:
+        write_json(args.json, results)
+        common.log(f"raw numbers written to {args.json}")
+    if args.csv:
+        write_csv(args.csv, results)
+        common.log(f"rows written to {args.csv}")
+
+
+def run(args) -> int:
+    dtypes = args.dtypes + ([io_dtype(args)] if "io" in args.tables else [])
+    envs = {dtype: common.setup_env(dtype) for dtype in _unique(dtypes)}
+    env = envs[args.dtypes[0]]
+    results: dict = {"settings": settings(args)}
+    failures: list = []
+    progress = common.Progress(count_steps(args))
+    try:
+        with env.stream():
+            info = common.device_info(env)
+            results["info"] = info
+            emit("\n".join(speed.header_lines(info, args)), progress)
+            variants = kernel_variants(args)
+            progress.start(f"compiling {len(variants)} kernel variants in parallel")
+            try:
+                common.prebuild(variants)
+            except Exception as exc:  # the warm-up calls compile (or fail) on their own
+                progress.note(f"parallel compilation skipped: {common.first_line(exc)}")
+            progress.start("ceilings: matmul and device copy")
+            ceilings = common.measure_ceilings(env, args.repeats)
+            results["ceilings"] = ceilings
+            progress.advance()
+            emit(common.ceilings_line(ceilings) + "\n", progress)
+
+            if "speed" in args.tables:
+                records = []
+                for dtype in args.dtypes:
+                    records += speed.run_all(envs[dtype], args, progress)
+                notes = common.Footnotes()
+                emit(speed.format_tables(records, args, ceilings, envs, notes) + "\n", progress)
+                results["speed"] = {"settings": speed.json_settings(args, envs),
+                                    "records": records, "footnotes": notes.texts}
+                failures += speed.cuflash_failures(records)
+                if args.plot:
+                    plot_speed(args.plot, records, args)
+                    progress.note(f"plot written to {args.plot}")
+
+            if "memory" in args.tables:
+                margs = memory_args(args)
+                records = memory.run_all(env, margs, progress)
+                notes = common.Footnotes()
+                emit(memory.format_table(records, margs, notes, info.get("memory_bytes")) + "\n",
+                     progress)
+                results["memory"] = {"settings": memory.json_settings(margs), "records": records,
+                                     "growth": memory.growth_all(records, margs),
+                                     "footnotes": notes.texts}
+                failures += memory.cuflash_failures(records)
+
+            if "io" in args.tables:
+                result = io.run_io(envs[io_dtype(args)], args, progress)
+                notes = common.Footnotes()
+                emit(io.format_io(result, notes, args.tablefmt) + "\n", progress)
+                results["io"] = {"result": result, "footnotes": notes.texts}
+                failures += io_failures(result)
+
+            if "sparse" in args.tables:
+                records = sparse.run_sparse(env, args, progress)
+                notes = common.Footnotes()
+                emit(sparse.format_sparse(records, args, notes) + "\n", progress)
+                results["sparse"] = {"records": records, "footnotes": notes.texts}
+                failures += sparse.cuflash_failures(records)
+    finally:
+        progress.close()
+    write_outputs(args, results)
+    if failures:
+        label, error = failures[0]
+        common.log(f"{common.PROG}: cuflash failed in {len(failures)} measurement(s); the "
+                   f"first: {label}: {error}")
+        return 1
+    return 0
+
+
+def main(argv=None, prog: str = common.PROG) -> int:
+    args = parse_args(argv, prog)
+    if common.device_count() == 0:
+        if args.tables == ["io"] and not args.io:
+            return run_analytical_io(args)
+        print(common.NO_DEVICE_MESSAGE, file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

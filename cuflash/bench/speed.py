@@ -1,0 +1,652 @@
+"""The speed table: cuflash against standard attention and PyTorch SDPA, forward, backward and
+forward + backward.
+
+The harness of the FlashAttention papers: 16k tokens per batch (batch = 16384 // seqlen), hidden
+size 2048 (heads = 2048 // head_dim), layout (batch, heads, seqlen, head_dim), random normal
+inputs; FLOPs as in :func:`cuflash.bench.io.flops` (forward 4 * seqlen^2 * head_dim * heads *
+batch, halved when causal; backward 2.5x, forward + backward 3.5x).
+
+Modes:
+
+- ``fwd``: the forward alone. cuflash.attention; SDPA; standard (CuPy: S = q k^T, float32
+  softmax, P cast back, P v).
+- ``bwd``: the backward alone, from the same q, k, v and a fixed random dO: the forward whose
+  results it needs runs once per input set before the timing. cuflash.attention_backward(do, q,
+  k, v, o, l, m); SDPA torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) on a graph
+  recorded once; standard: an explicit CuPy backward from the P its forward kept.
+- ``fwdbwd``: forward and backward in one timed call: cuflash.attention then
+  cuflash.attention_backward; SDPA out = sdpa(q, k, v) then torch.autograd.grad(out, (q, k, v),
+  dO) (the graph is recorded inside the timing, as in training); standard forward then backward.
+
+Peers: ``standard``, ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient`` (SDPA pinned to one
+backend with torch.nn.attention.sdpa_kernel). A peer that fails or is missing becomes a dash
+with its reason in a footnote; a cuflash failure is shown as FAILED with its reason and makes
+the command exit non-zero.
+
+Every call is timed on the GPU with its own pair of CUDA events, on PyTorch's current stream
+when PyTorch is present (so that cuflash, which launches on CuPy's current stream, and SDPA are
+ordered the same way), after warm-up calls that absorb every compilation; consecutive calls
+rotate among input sets whose total size exceeds twice the L2 cache (cuflash.bench.common).
+
+Importing this module needs neither a GPU nor CuPy's CUDA libraries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import common
+from .common import DASH, HIDDEN, TOKENS, Env, Footnotes, as_cupy, problem_shape, time_call
+from .io import BWD_FLOP_FACTOR, MODE_FLOP_FACTOR, flops
+
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_HDIMS = (64, 128)
+MODES = ("fwd", "bwd", "fwdbwd")
+MODE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward + backward"}
+PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+SDPA_PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION"}
+CHECK_WARN = 0.05  # max |o - o_peer| above which the progress line flags the check
+
+__all__ = ["flops", "problem_shape", "time_call", "Footnotes", "BWD_FLOP_FACTOR"]
+
+
+# ---- pure helpers (no GPU) ---------------------------------------------------------------
+
+
+def parse_tiles(text: str) -> tuple:
+    """'BR,BC,W,MB[,U]' -> a tile-table entry of cuflash._config (block_rows, block_cols,
+    warps, min_blocks[, qk_unroll]), checked against the kernel's rules."""
+    try:
+        tiles = tuple(int(p) for p in text.replace(" ", "").split(","))
+    except ValueError:
+        tiles = ()
+    if len(tiles) not in (4, 5):
+        raise argparse.ArgumentTypeError(
+            f"tiles must be 4 or 5 integers 'BR,BC,W,MB[,U]', got {text!r}")
+    br, bc, warps, mb = tiles[:4]
+    if warps < 1 or br % (16 * warps):
+        raise argparse.ArgumentTypeError(
+            f"block_rows must be a multiple of 16 * warps, got {br} rows, {warps} warps")
+    if bc <= 0 or bc % 16:
+        raise argparse.ArgumentTypeError(
+            f"block_cols must be a positive multiple of 16, got {bc} in {text!r}")
+    if mb < 1:
+        raise argparse.ArgumentTypeError(f"min_blocks must be at least 1, got {mb} in {text!r}")
+    return tiles
+
+
+def tile_label(tiles: tuple) -> str:
+    return "cuflash[" + ",".join(map(str, tiles)) + "]"
+
+
+def causal_modes(choice: str) -> list:
+    return {"no": [False], "yes": [True], "both": [False, True]}[choice]
+
+
+def speed_peers(args) -> list:
+    """The peers of args.peers that the speed table runs, in PEERS order."""
+    return [p for p in PEERS if p in args.peers]
+
+
+def backend_names(args, mode: str) -> list:
+    """Columns of one mode: the tile-override columns tune forward tiles, so fwd only."""
+    tiles = [tile_label(t) for t in getattr(args, "tiles", [])] if mode == "fwd" else []
+    return ["cuflash"] + tiles + speed_peers(args)
+
+
+def arg_dtypes(args) -> list:
+    return list(getattr(args, "dtypes", None) or [getattr(args, "dtype", "bfloat16")])
+
+
+def count_steps(args) -> int:
+    """Measurements the speed sweep makes (one per backend and configuration)."""
+    per_shape = sum(len(backend_names(args, mode)) for mode in args.modes)
+    return (len(arg_dtypes(args)) * len(args.hdims) * len(args.seqlens)
+            * len(args.causal_modes) * per_shape)
+
+
+# ---- backends ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Backend:
+    name: str
+    fn: Callable  # fn(*args) -> output; args: an input set, or what prepare made of it
+    context: Callable = contextlib.nullcontext  # entered around all calls
+    convert: Optional[Callable] = None  # applied to each input outside the timing
+    prepare: Optional[Callable] = None  # prepare(*input_set) -> args of fn, untimed
+    max_sets: Optional[int] = None  # use at most this many input sets
+    is_cuflash: bool = False
+    tiles: Optional[tuple] = None
+
+
+def cuflash_backend(causal: bool, hdim: int, tiles: Optional[tuple] = None) -> Backend:
+    import cuflash
+    from cuflash import _config
+
+    def run(q, k, v):
+        return cuflash.attention(q, k, v, causal=causal).o
+
+    if tiles is None:
+        return Backend("cuflash", run, is_cuflash=True)
+    bucket = _config.head_dim_bucket(hdim)
+    return Backend(tile_label(tiles), run,
+                   context=lambda: _config.forward_tiles_override({bucket: tiles}),
+                   is_cuflash=True, tiles=tiles)
+
+
+def cuflash_backward_backend(causal: bool) -> Backend:
+    """Times cuflash.attention_backward; o, l, m come from a forward run while preparing."""
+    import cuflash
+
+    def prepare(q, k, v, do):
+        o, l, m = cuflash.attention(q, k, v, causal=causal)
+        return do, q, k, v, o, l, m
+
+    def run(do, q, k, v, o, l, m):
+        return tuple(cuflash.attention_backward(do, q, k, v, o, l, m, causal=causal))
+
+    return Backend("cuflash", run, prepare=prepare, is_cuflash=True)
+
+
+def cuflash_fwdbwd_backend(causal: bool) -> Backend:
+    """Times cuflash.attention followed by cuflash.attention_backward in one call."""
+    import cuflash
+
+    def run(q, k, v, do):
+        o, l, m = cuflash.attention(q, k, v, causal=causal)
+        return tuple(cuflash.attention_backward(do, q, k, v, o, l, m, causal=causal))
+
+    return Backend("cuflash", run, is_cuflash=True)
+
+
+def standard_parts(env: Env, causal: bool, nq: int, nk: int, hdim: int):
+    """(forward, backward) of standard attention in CuPy, in env.standard_dtype.
+
+    forward(q, k, v) -> (o, p): S = q k^T * scale, causal -inf mask, float32 softmax, P cast
+    back to the input dtype and kept, o = P v. backward(q, k, v, do, o, p) -> (dq, dk, dv) from
+    that P, nothing recomputed: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)) in
+    float32 then cast back, dQ = scale dS K, dK = scale dS^T Q.
+    """
+    cupy = env.cupy
+    scale = 1.0 / math.sqrt(hdim)
+    bias = None
+    if causal:  # 0 where allowed, -inf where key j > query i + (nk - nq); built untimed
+        rows = cupy.arange(nq)[:, None]
+        cols = cupy.arange(nk)[None, :]
+        bias = cupy.where(cols > rows + (nk - nq), cupy.float32(-cupy.inf), cupy.float32(0))
+
+    def forward(q, k, v):
+        s = cupy.matmul(q, k.swapaxes(-1, -2))
+        s32 = s.astype(cupy.float32)
+        del s
+        s32 *= scale
+        if bias is not None:
+            s32 += bias
+        s32 -= s32.max(axis=-1, keepdims=True)
+        cupy.exp(s32, out=s32)
+        s32 /= s32.sum(axis=-1, keepdims=True)
+        p = s32.astype(q.dtype)
+        del s32
+        return cupy.matmul(p, v), p
+
+    def backward(q, k, v, do, o, p):
+        dv = cupy.matmul(p.swapaxes(-1, -2), do)
+        dp = cupy.matmul(do, v.swapaxes(-1, -2))
+        delta = (do.astype(cupy.float32) * o.astype(cupy.float32)).sum(axis=-1, keepdims=True)
+        ds32 = dp.astype(cupy.float32)
+        del dp
+        ds32 -= delta
+        ds32 *= p
+        ds32 *= scale
+        ds = ds32.astype(q.dtype)
+        del ds32
+        return cupy.matmul(ds, k), cupy.matmul(ds.swapaxes(-1, -2), q), dv
+
+    return forward, backward
+
+
+def standard_convert(env: Env) -> Callable:
+    def convert(x):
+        x = as_cupy(env, x)
+        return x if x.dtype == env.standard_dtype else x.astype(env.standard_dtype)
+    return convert
+
+
+def standard_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Backend:
+    """The forward of standard_parts, all in CuPy."""
+    forward, _ = standard_parts(env, causal, nq, nk, hdim)
+
+    def run(q, k, v):
+        return forward(q, k, v)[0]
+
+    return Backend("standard", run, convert=standard_convert(env))
+
+
+def standard_backward_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Backend:
+    """The backward of standard_parts from a materialised P. One input set only: P is
+    batch * heads * seq^2 elements, far beyond any L2, and a second one may not fit."""
+    forward, backward = standard_parts(env, causal, nq, nk, hdim)
+
+    def prepare(q, k, v, do):
+        o, p = forward(q, k, v)
+        return q, k, v, do, o, p
+
+    return Backend("standard", backward, convert=standard_convert(env), prepare=prepare,
+                   max_sets=1)
+
+
+def standard_fwdbwd_backend(env: Env, causal: bool, nq: int, nk: int, hdim: int) -> Backend:
+    """Forward then backward of standard_parts in one call (P made and dropped per call)."""
+    forward, backward = standard_parts(env, causal, nq, nk, hdim)
+
+    def run(q, k, v, do):
+        o, p = forward(q, k, v)
+        return backward(q, k, v, do, o, p)
+
+    return Backend("standard", run, convert=standard_convert(env))
+
+
+def _sdpa(env: Env, name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = getattr(SDPBackend, SDPA_BACKENDS[name])
+    return env.torch.nn.functional.scaled_dot_product_attention, (lambda: sdpa_kernel(which))
+
+
+def sdpa_backend(env: Env, name: str, causal: bool) -> Backend:
+    sdpa, context = _sdpa(env, name)
+
+    def run(q, k, v):
+        return sdpa(q, k, v, is_causal=causal)
+
+    return Backend(name, run, context=context)
+
+
+def sdpa_backward_backend(env: Env, name: str, causal: bool) -> Backend:
+    """Times torch.autograd.grad of SDPA's output with a fixed dO, on a graph recorded once
+    per input set while preparing (the backend choice is made by the forward)."""
+    torch = env.torch
+    sdpa, context = _sdpa(env, name)
+
+    def prepare(q, k, v, do):
+        leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+        with context():
+            out = sdpa(*leaves, is_causal=causal)
+        return out, leaves, do
+
+    def run(out, leaves, do):
+        return torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    return Backend(name, run, prepare=prepare)
+
+
+def sdpa_fwdbwd_backend(env: Env, name: str, causal: bool) -> Backend:
+    """Times out = sdpa(q, k, v) and torch.autograd.grad(out, (q, k, v), dO) in one call."""
+    torch = env.torch
+    sdpa, context = _sdpa(env, name)
+
+    def prepare(q, k, v, do):
+        return tuple(x.detach().requires_grad_() for x in (q, k, v)) + (do,)
+
+    def run(q, k, v, do):
+        out = sdpa(q, k, v, is_causal=causal)
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    return Backend(name, run, context=context, prepare=prepare)
+
+
+def peer_backend(env: Env, name: str, causal: bool, shape: tuple, mode: str = "fwd") -> Backend:
+    if name == "standard":
+        parts = {"fwd": standard_backend, "bwd": standard_backward_backend,
+                 "fwdbwd": standard_fwdbwd_backend}[mode]
+        return parts(env, causal, shape[2], shape[2], shape[3])
+    if mode == "fwd":
+        return sdpa_backend(env, name, causal)
+    if mode == "bwd":
+        return sdpa_backward_backend(env, name, causal)
+    return sdpa_fwdbwd_backend(env, name, causal)
+
+
+# ---- measurements ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Measurement:
+    times_ms: list = dataclasses.field(default_factory=list)
+    status: str = "ok"  # ok | oom | error | unavailable
+    error: Optional[str] = None
+    dtype: Optional[str] = None
+
+    @property
+    def ms(self) -> Optional[float]:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+
+def run_backend(env: Env, backend: Backend, input_sets: list, warmup: int,
+                repeats: Optional[int]):
+    """Time one backend on the input sets; returns (Measurement, first output)."""
+    sets = input_sets[:backend.max_sets] if backend.max_sets else input_sets
+    if backend.convert is not None:
+        sets = [tuple(backend.convert(x) for x in s) for s in sets]
+    dtype = str(getattr(sets[0][0], "dtype", "")).replace("torch.", "")
+    with backend.context():
+        if backend.prepare is not None:
+            sets = [backend.prepare(*s) for s in sets]
+            env.cupy.cuda.get_current_stream().synchronize()
+        times, first = time_call(env.cupy, backend.fn, sets, warmup, repeats)
+    return Measurement(times, dtype=dtype), first
+
+
+def _failed(env: Env, exc: BaseException) -> Measurement:
+    return Measurement(status="oom" if common.is_oom(env, exc) else "error",
+                       error=common.first_line(exc))
+
+
+def run_peer(env: Env, name: str, causal: bool, shape: tuple, input_sets, warmup, repeats,
+             mode: str = "fwd"):
+    """A peer never stops the benchmark: its failure becomes an OOM or error Measurement."""
+    if name in SDPA_PEERS and env.torch is None:
+        return Measurement(status="unavailable", error=env.torch_reason), None
+    try:
+        backend = peer_backend(env, name, causal, shape, mode)
+        return run_backend(env, backend, input_sets, warmup, repeats)
+    except Exception as exc:
+        failed = _failed(env, exc)
+    env.free_memory()  # after the except block, whose traceback held the failed call's arrays
+    return failed, None
+
+
+def run_cuflash(env: Env, make_backend: Callable, input_sets, warmup, repeats):
+    """cuflash's measurement. A failure is recorded (status error / oom, shown as FAILED in
+    the table, exit status 1 at the end), never dropped."""
+    try:
+        return run_backend(env, make_backend(), input_sets, warmup, repeats)
+    except Exception as exc:
+        failed = _failed(env, exc)
+    env.free_memory()
+    return failed, None
+
+
+def max_abs_diff(env: Env, a, b) -> Optional[float]:
+    try:
+        cupy = env.cupy
+        x = as_cupy(env, a).astype(cupy.float32)
+        y = as_cupy(env, b).astype(cupy.float32)
+        return float(cupy.abs(x - y).max())
+    except Exception as exc:
+        common.log(f"  check failed: {common.first_line(exc)}")
+        return None
+
+
+def max_rel_diff(env: Env, reference: tuple, other: tuple) -> Optional[float]:
+    """max over the gradients (dq, dk, dv) of max|other - reference| / max|reference|."""
+    try:
+        cupy = env.cupy
+        worst = 0.0
+        for a, b in zip(reference, other):
+            x = as_cupy(env, a).astype(cupy.float32)
+            y = as_cupy(env, b).astype(cupy.float32)
+            worst = max(worst, float(cupy.abs(x - y).max()) / max(float(cupy.abs(x).max()), 1e-30))
+        return worst
+    except Exception as exc:
+        common.log(f"  check failed: {common.first_line(exc)}")
+        return None
+
+
+def _cuflash_factory(name: str, mode: str, causal: bool, hdim: int, tiles: Optional[tuple]):
+    if mode == "fwd":
+        return lambda: cuflash_backend(causal, hdim, tiles)
+    if mode == "bwd":
+        return lambda: cuflash_backward_backend(causal)
+    return lambda: cuflash_fwdbwd_backend(causal)
+
+
+def config_label(mode: str, dtype: str, hdim: int, seq: int, causal: bool) -> str:
+    return f"speed {mode} {dtype} hdim {hdim} seq {seq} causal {'yes' if causal else 'no'}"
+
+
+def run_config(env: Env, args, hdim: int, seq: int, causal: bool, input_sets, progress,
+               mode: str = "fwd") -> dict:
+    """Every backend on one (mode, hdim, seq, causal); returns the JSON record.
+
+    input_sets: (q, k, v) tuples for fwd, (q, k, v, dO) for bwd and fwdbwd. progress: a
+    common.Progress, or a string that prefixes plain log lines."""
+    progress = common.as_progress(progress)
+    shape = problem_shape(seq, hdim)
+    batch, heads = shape[0], shape[1]
+    record = {"mode": mode, "seqlen": seq, "hdim": hdim, "causal": causal, "batch": batch,
+              "heads": heads, "dtype": env.dtype_name,
+              "flops": flops(seq, hdim, heads, batch, causal, mode), "backends": {}}
+    check_key = "max_abs_diff_vs_cuflash" if mode == "fwd" else "max_rel_grad_diff_vs_cuflash"
+    record[check_key] = {}
+    reference = None
+    tiles_by_name = {tile_label(t): t for t in getattr(args, "tiles", [])}
+    label = config_label(mode, env.dtype_name, hdim, seq, causal)
+    for name in backend_names(args, mode):
+        progress.start(f"{label}: {name}")
+        if name == "cuflash" or name in tiles_by_name:
+            factory = _cuflash_factory(name, mode, causal, hdim, tiles_by_name.get(name))
+            result, out = run_cuflash(env, factory, input_sets, args.warmup, args.repeats)
+        else:
+            result, out = run_peer(env, name, causal, shape, input_sets, args.warmup,
+                                   args.repeats, mode)
+        entry = {"status": result.status, "error": result.error, "dtype": result.dtype,
+                 "ms": result.ms, "times_ms": result.times_ms,
+                 "tflops": record["flops"] / (result.ms * 1e-3) / 1e12 if result.ms else None}
+        record["backends"][name] = entry
+        note = ""
+        if reference is None:
+            reference = out
+        elif out is not None:
+            if mode == "fwd":
+                diff = max_abs_diff(env, reference, out)
+                what = "max|o - o_cuflash|"
+            else:
+                diff = max_rel_diff(env, reference, out)
+                what = "max|d - d_cuflash| / max|d_cuflash| over dq, dk, dv"
+            record[check_key][name] = diff
+            if diff is not None:
+                note = f", {what} = {diff:.2e}" + (" (LARGE)" if diff > CHECK_WARN else "")
+        del out
+        progress.advance()
+        if result.ms is not None:
+            progress.note(f"{label} {name:>16}: {result.ms:8.3f} ms "
+                          f"{entry['tflops']:7.1f} TFLOP/s{note}")
+        else:
+            progress.note(f"{label} {name:>16}: {result.status}: {result.error}")
+        env.free_memory()
+    del reference
+    return record
+
+
+def run_all(env: Env, args, progress=None) -> list:
+    """The sweep of one dtype (env's): every mode, head dim, length and causal setting."""
+    records = []
+    needs_do = any(m in ("bwd", "fwdbwd") for m in args.modes)
+    for hdim in args.hdims:
+        for seq in args.seqlens:
+            shape = problem_shape(seq, hdim)
+            set_bytes = 3 * math.prod(shape) * common.ITEMSIZE.get(env.dtype_name, 2)
+            count = common.num_input_sets(set_bytes, env.l2_bytes)
+            # a fixed dO per input set, the same for every backend
+            input_sets = common.make_inputs(env, shape, count, 4 if needs_do else 3)
+            for mode in args.modes:
+                sets = [s[:3] for s in input_sets] if mode == "fwd" else input_sets
+                for causal in args.causal_modes:
+                    records.append(run_config(env, args, hdim, seq, causal, sets,
+                                              progress if progress is not None else
+                                              config_label(mode, env.dtype_name, hdim, seq,
+                                                           causal), mode))
+                del sets
+            del input_sets
+            env.free_memory()
+    return records
+
+
+def cuflash_failures(records: list) -> list:
+    """(label, error) of every cuflash measurement that did not succeed."""
+    failed = []
+    for r in records:
+        for name, entry in r.get("backends", {}).items():
+            if name.startswith("cuflash") and entry.get("status") not in ("ok", None):
+                failed.append((config_label(r.get("mode", "fwd"), r.get("dtype", "?"), r["hdim"],
+                                            r["seqlen"], r["causal"]) + f": {name}",
+                               entry.get("error") or entry.get("status")))
+    return failed
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def header_lines(info: dict, args) -> list:
+    torch = info["torch"] or f"{DASH} ({info['torch_reason']})"
+    repeats = (f"median of {args.repeats} calls" if args.repeats else
+               f"median of {common.AUTO_MIN_REPEATS}-{common.AUTO_MAX_REPEATS} calls "
+               f"(about {common.AUTO_TARGET_MS:.0f} ms of work)")
+    return [
+        f"GPU: {info['gpu']} ({info['sms']} SMs, L2 {info['l2_mb']:.0f} MB), CUDA runtime "
+        f"{info['cuda_runtime']}, driver {info['cuda_driver']}",
+        f"cuflash commit {info['commit']}, cupy {info['cupy']}, torch {torch}",
+        f"{' and '.join(MODE_NAMES[m] for m in getattr(args, 'modes', ['fwd']))}, "
+        f"{', '.join(arg_dtypes(args))}, {TOKENS} tokens per batch, hidden {HIDDEN}, layout "
+        f"(batch, heads, seq, hdim), inputs from {info['inputs']}; {repeats} after "
+        f"{args.warmup} warm-up",
+    ]
+
+
+def time_cells(entry: Optional[dict], notes: Footnotes, name: str) -> list:
+    """[ms, TFLOP/s] cells of one backend."""
+    if entry is None:
+        return [DASH, DASH]
+    if name.startswith("cuflash") and entry["ms"] is None:
+        what = "OOM" if entry["status"] == "oom" else "FAILED"
+        return [f"{what} {notes.mark(name + ': ' + str(entry['error']))}", DASH]
+    if entry["status"] == "oom":
+        return ["OOM", "OOM"]
+    if entry["status"] == "unavailable":
+        return [f"{DASH} {notes.mark('PyTorch SDPA columns: ' + str(entry['error']))}", DASH]
+    if entry["ms"] is None:
+        return [f"{DASH} {notes.mark(name + ': ' + str(entry['error']))}", DASH]
+    return [f"{entry['ms']:.3f}", f"{entry['tflops']:.1f}"]
+
+
+def ratio_cell(entries: dict, peer: str) -> str:
+    mine, theirs = entries.get("cuflash"), entries.get(peer)
+    if not mine or not theirs or mine["ms"] is None or theirs["ms"] is None:
+        return DASH
+    return f"{theirs['ms'] / mine['ms']:.2f}x"
+
+
+def _standard_reason(env, dtype: str) -> Optional[str]:
+    if isinstance(env, dict):
+        env = env.get(dtype)
+    return getattr(env, "standard_reason", None)
+
+
+def format_tables(records: list, args, ceilings: dict, env, notes: Footnotes) -> str:
+    """The speed tables, one per (dtype, mode, causal, head dim). env: an Env, a dict of them
+    by dtype name, or anything with a ``standard_reason`` attribute (or None)."""
+    from tabulate import tabulate
+
+    modes = getattr(args, "modes", ["fwd"])
+    dtypes = arg_dtypes(args)
+    peers = speed_peers(args)
+    all_names = ["cuflash"] + [tile_label(t) for t in getattr(args, "tiles", [])] + peers
+    blocks = []
+    for dtype in dtypes:
+        labels = dict(zip(all_names, all_names))
+        reason = _standard_reason(env, dtype)
+        if "standard" in all_names and reason:
+            labels["standard"] = "standard (fp16)"
+            notes.mark(f"standard runs in float16: {reason}")
+        for mode in modes:
+            names = backend_names(args, mode)
+            headers = ["seqlen", "batch x heads"]
+            for name in names:
+                headers += [f"{labels[name]} ms", f"{labels[name]} TFLOP/s"]
+            headers.append("cuflash % of matmul peak")
+            headers += [f"cuflash / {p}" for p in peers]
+            for causal in args.causal_modes:
+                for hdim in args.hdims:
+                    rows = []
+                    for r in records:
+                        if (r.get("mode", "fwd") != mode or r["causal"] != causal
+                                or r["hdim"] != hdim or r.get("dtype", dtypes[0]) != dtype):
+                            continue
+                        row = [r["seqlen"], f"{r['batch']} x {r['heads']}"]
+                        for name in names:
+                            row += time_cells(r["backends"].get(name), notes, name)
+                        tf = (r["backends"].get("cuflash") or {}).get("tflops")
+                        peak = ceilings.get("matmul_tflops") if ceilings else None
+                        row.append(f"{100 * tf / peak:.1f}%" if tf and peak else DASH)
+                        row += [ratio_cell(r["backends"], p) for p in peers]
+                        rows.append(row)
+                    if not rows:
+                        continue
+                    title = (f"{MODE_NAMES[mode]}, causal={'yes' if causal else 'no'}, "
+                             f"head dim {hdim}, {dtype}")
+                    table = tabulate(rows, headers, tablefmt=getattr(args, "tablefmt", "github"),
+                                     disable_numparse=True, colalign=("right",) * len(headers))
+                    blocks.append(title + "\n\n" + table)
+    text = "\n\n".join(blocks)
+    text += ("\n\nms: median time of one call; TFLOP/s: forward 4 * seqlen^2 * hdim * heads * "
+             "batch (halved when causal) / time")
+    if "bwd" in modes:
+        text += f", backward {BWD_FLOP_FACTOR:g} x that / time"
+    if "fwdbwd" in modes:
+        text += f", forward + backward {MODE_FLOP_FACTOR['fwdbwd']:g} x that / time"
+    text += ("; cuflash % of matmul peak: cuflash TFLOP/s / the matmul ceiling measured at the "
+             "start; cuflash / peer: peer time / cuflash time.")
+    if "bwd" in modes:
+        text += ("\nbackward: the backward pass alone, with a fixed random dO, after a forward "
+                 "run untimed: cuflash.attention_backward(do, q, k, v, o, l, m); SDPA "
+                 "torch.autograd.grad(out, (q, k, v), dO, retain_graph=True)")
+        if "standard" in peers:
+            text += ("; standard: an explicit CuPy backward from the P the standard forward "
+                     "kept (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)) in float32 "
+                     "cast back, dQ = scale dS K, dK = scale dS^T Q), one input set")
+        if getattr(args, "tiles", []):
+            text += "; the cuflash[...] tile columns tune forward tiles and appear in forward tables only"
+        text += "."
+    if "fwdbwd" in modes:
+        text += ("\nforward + backward: one timed call runs the forward and the backward: "
+                 "cuflash.attention then cuflash.attention_backward; SDPA out = sdpa(q, k, v) "
+                 "then torch.autograd.grad(out, (q, k, v), dO), the graph recorded inside the "
+                 "timing; standard: its forward then its backward.")
+    if notes.texts:
+        text += "\n" + "\n".join(notes.lines())
+    return text
+
+
+def json_settings(args, envs) -> dict:
+    if not isinstance(envs, dict):
+        envs = {getattr(envs, "dtype_name", arg_dtypes(args)[0]): envs}
+    standard = {}
+    for name, env in envs.items():
+        try:
+            dtype = str(env.cupy.dtype(env.standard_dtype))
+        except Exception:
+            dtype = str(getattr(env, "standard_dtype", None))
+        standard[name] = {"dtype": dtype, "reason": getattr(env, "standard_reason", None)}
+    return {"modes": list(args.modes), "dtypes": arg_dtypes(args), "seqlens": list(args.seqlens),
+            "hdims": list(args.hdims), "causal": list(args.causal_modes), "tokens": TOKENS,
+            "hidden": HIDDEN, "flop_factors": dict(MODE_FLOP_FACTOR), "warmup": args.warmup,
+            "repeats": args.repeats or "auto", "tiles": [list(t) for t in getattr(args, "tiles", [])],
+            "peers": speed_peers(args), "standard": standard}
+
+
+def write_json(path: str, info: dict, ceilings: dict, records: list, args, env, notes) -> None:
+    """The raw numbers of a speed-only run (python -m bench.bench_forward)."""
+    data = {"info": info, "settings": json_settings(args, env), "ceilings": ceilings,
+            "results": records, "footnotes": notes.texts}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -1,0 +1,887 @@
+"""CPU tests of cuflash-bench (cuflash.bench): FLOP and byte counting, argument parsing, table
+layout from fake measurements, CSV / JSON / plot writing, timing bookkeeping, the progress
+bar, and the command's behaviour without a GPU.
+
+Nothing here needs a GPU. The subprocess tests hide any GPU (CUDA_VISIBLE_DEVICES=""), so they
+take the no-device path on a GPU machine too.
+"""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from io import StringIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuflash import reference as ref
+from cuflash.bench import cli, common, io, memory, sparse, speed
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NO_GPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+GPT2 = dict(n=1024, d=64, heads=16, batch=64)
+HB = 16 * 64  # heads * batch of GPT-2 medium
+
+
+def run_cli(*argv, cwd=REPO_ROOT, module="bench"):
+    return subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, env=NO_GPU_ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+# ---- FLOPs -------------------------------------------------------------------------------
+
+
+def test_flops_forward_backward_and_causal():
+    fwd = 4 * 1024**2 * 64 * 32 * 16
+    assert io.flops(1024, 64, 32, 16, False) == fwd
+    assert io.flops(1024, 64, 32, 16, True) == fwd / 2
+    assert io.flops(1024, 64, 32, 16, False, "bwd") == 2.5 * fwd
+    assert io.flops(1024, 64, 32, 16, True, "bwd") == 2.5 * fwd / 2
+    assert io.flops(1024, 64, 32, 16, False, "fwdbwd") == 3.5 * fwd
+    assert io.flops(1024, 64, 32, 16, True, "fwdbwd") == 3.5 * fwd / 2
+    assert speed.flops is io.flops  # the speed table counts the same way
+    with pytest.raises(ValueError, match="mode"):
+        io.flops(8, 8, 1, 1, False, "both")
+
+
+def test_standard_flops_keep_p():
+    fwd = io.flops(1024, 64, 16, 64, False)
+    assert io.standard_flops(1024, 64, 16, 64, False, "fwd") == fwd
+    assert io.standard_flops(1024, 64, 16, 64, False, "bwd") == 2 * fwd  # four matmuls
+    assert io.standard_flops(1024, 64, 16, 64, False, "fwdbwd") == 3 * fwd
+    assert io.standard_flops(1024, 64, 16, 64, True, "fwdbwd") == 1.5 * fwd
+    # GPT-2 medium, forward + backward: 12 N^2 d per head (standard), 14 N^2 d (flash)
+    assert io.standard_flops(**dict(seq=1024, hdim=64, heads=16, batch=64)) == 12 * 1024**2 * 64 * HB
+    assert io.flops(1024, 64, 16, 64, False, "fwdbwd") == 14 * 1024**2 * 64 * HB
+
+
+# ---- bytes -------------------------------------------------------------------------------
+
+
+def test_standard_bytes_gpt2_medium_by_hand():
+    n, d = 1024, 64
+    fwd = io.standard_traffic(n, d, 16, 64, mode="fwd")
+    # read Q, K, V (3 N d) and S, P (2 N^2); write S, P (2 N^2) and O (N d); 2 bytes each
+    assert fwd.read == (3 * n * d + 2 * n * n) * 2 * HB == 4_587_520 * HB
+    assert fwd.write == (n * d + 2 * n * n) * 2 * HB == 4_325_376 * HB
+    bwd = io.standard_traffic(n, d, 16, 64, mode="bwd")
+    assert bwd.read == (5 * n * n + 5 * n * d) * 2 * HB == 11_141_120 * HB
+    assert bwd.write == (2 * n * n + 3 * n * d) * 2 * HB == 4_587_520 * HB
+    both = io.standard_traffic(n, d, 16, 64)
+    assert both == fwd + bwd
+    assert both.total == 25_232_932_864
+    quadratic = 11 * n * n * 2 * HB
+    assert quadratic / both.total > 0.9  # the N^2 terms dominate
+    assert both.total - quadratic == 12 * n * d * 2 * HB
+
+
+def test_standard_bytes_grow_quadratically_and_take_score_itemsize():
+    small = io.standard_traffic(8192, 64).total
+    large = io.standard_traffic(16384, 64).total
+    assert 3.9 < large / small <= 4
+    wide = io.standard_traffic(1024, 64, score_itemsize=4, mode="fwd")
+    assert wide.read == 3 * 1024 * 64 * 2 + 2 * 1024**2 * 4
+    with pytest.raises(ValueError, match="mode"):
+        io.standard_traffic(1024, 64, mode="both")
+    with pytest.raises(ValueError, match="positive"):
+        io.standard_traffic(0, 64)
+
+
+def test_flash_forward_bytes_by_hand():
+    n, d = 1024, 64
+    t = io.flash_forward_traffic(n, d, 16, 64, br=128, bc=64)
+    # Q once, K and V once per query tile (1024 / 128 = 8 passes), O, l, m written once
+    assert t.read == (n * d * 2 + 8 * 2 * n * d * 2) * HB == 2_228_224 * HB
+    assert t.write == (n * d * 2 + 2 * n * 4) * HB == 139_264 * HB
+    # causal: query tile i loads keys up to its last row: 128 (i + 1), 8 tiles
+    c = io.flash_forward_traffic(n, d, br=128, bc=64, causal=True)
+    assert c.read == n * d * 2 + 2 * (128 * 36) * d * 2
+    ragged = io.flash_forward_traffic(1000, d, br=128, bc=64)
+    assert ragged.read == 1000 * d * 2 + 8 * 2 * 1000 * d * 2
+
+
+def test_flash_bytes_fall_as_br_grows():
+    totals = [io.flash_forward_traffic(1024, 64, 16, 64, br=br, bc=64).total
+              for br in (16, 32, 64, 128, 256, 512)]
+    assert all(a > b for a, b in zip(totals, totals[1:]))
+    # the K/V part (all but Q in, O, l, m out) halves with each doubling of Br
+    fixed = (2 * 1024 * 64 * 2 + 2 * 1024 * 4) * HB
+    kv = [t - fixed for t in totals]
+    assert all(a == 2 * b for a, b in zip(kv, kv[1:]))
+    sweep = io.analytical_io()["sweep"]
+    rows = [r["analytical"]["read"] + r["analytical"]["write"] for r in sweep]
+    assert [r["br"] for r in sweep] == sorted(r["br"] for r in sweep)
+    assert all(a > b for a, b in zip(rows, rows[1:]))
+    assert [r["kv_passes"] for r in sweep] == [1024 // r["br"] for r in sweep]
+
+
+def test_flash_backward_bytes_by_hand():
+    n, d = 1024, 64
+    t = io.flash_backward_traffic(n, d, br=64, bc=128)
+    rows = 8 * n  # 8 key tiles, each visiting every query row
+    read = (2 * n * d * 2 + 2 * n * 4  # preprocess: dO, O, l, m
+            + 2 * n * d * 2  # K, V once
+            + rows * (2 * d * 2 + 2 * 4)  # Q, dO, lse, D per visited row
+            + rows * 4 * d  # dQ atomics (read)
+            + 4 * n * d)  # cast dQ
+    write = 4 * n * d + 2 * n * 4 + rows * 4 * d + 2 * n * d * 2 + n * d * 2
+    assert (t.read, t.write) == (read, write) == (5_054_464, 2_760_704)
+    causal = io.flash_backward_traffic(n, d, br=64, bc=128, causal=True)
+    visited = sum(n - 128 * j for j in range(8))  # key tile j starts at query tile 2j
+    assert causal.read == read - (rows - visited) * (2 * d * 2 + 8 + 4 * d)
+    # head dims above 128: the key pass runs twice (dV, then dK), reading Q, dO, K, V again
+    wide = io.flash_backward_traffic(n, 256, br=16, bc=128)
+    assert wide == io.flash_backward_traffic(n, 256, br=16, bc=128, key_passes=2)
+    one = io.flash_backward_traffic(n, 256, br=16, bc=128, key_passes=1)
+    assert wide.read - one.read == 2 * n * 256 * 2 + 8 * n * (2 * 256 * 2 + 8)
+    assert wide.write == one.write
+
+
+def test_flash_between_lower_bound_and_standard():
+    from cuflash import _config
+
+    tiles = io.cuflash_tiles("bfloat16", 64)
+    variant = _config.forward_config("bfloat16", 64, 64, False)
+    assert tiles["fwd"] == (variant.block_rows, variant.block_cols)
+    key_pass = _config.backward_plan("bfloat16", 64, 64, False, False).key_passes[0]
+    assert tiles["bwd"] == (key_pass.block_rows, key_pass.block_cols)
+    flash = io.flash_traffic(1024, 64, 16, 64, fwd_tiles=tiles["fwd"], bwd_tiles=tiles["bwd"])
+    low = io.compulsory_traffic(1024, 64, 16, 64)
+    std = io.standard_traffic(1024, 64, 16, 64)
+    assert low.total < flash.total < std.total
+    assert low.total == (3 + 1 + 5 + 3) * 1024 * 64 * 2 * HB + 4 * 1024 * 4 * HB
+    assert io.flash_traffic(1024, 64, fwd_tiles=(128, 64), bwd_tiles=(64, 128), mode="fwd") == \
+        io.flash_forward_traffic(1024, 64, br=128, bc=64)
+
+
+def test_theorem2_order_n2_d2_over_m():
+    d, n = 64, 4096
+    assert io.theorem2_tiles(d, 4 * d * 64) == (64, 64)
+    assert io.theorem2_tiles(d, 4 * d * 16) == (16, 16)
+    assert io.theorem2_tiles(d, 4 * d * 256) == (64, 256)  # Br = min(Bc, d)
+    once = 2 * n * d * 2  # K, V read once
+
+    def excess(m, n=n):
+        br, bc = io.theorem2_tiles(d, m)
+        return io.algorithm1_traffic(n, d, br=br, bc=bc).total - 2 * n * d * 2
+
+    m = 4 * d * 64
+    assert excess(m) == pytest.approx(4 * excess(4 * m))  # 1 / M
+    assert excess(m, 2 * n) == pytest.approx(4 * excess(m, n))  # N^2
+    # Theta(N^2 d^2 / M): the constant is 12 s + 64 / d (Q, O in and O out, l, m)
+    assert excess(m) == pytest.approx((12 * 2 + 64 / d) * n * n * d * d / m)
+    assert once > 0
+
+
+def test_traffic_helpers():
+    t = io.Traffic(3, 4)
+    assert t.total == 7 and t + io.Traffic(1, 1) == io.Traffic(4, 5)
+    assert t.scaled(3) == io.Traffic(9, 12)
+
+
+# ---- ncu -----------------------------------------------------------------------------------
+
+DETAILS_CSV = '''==PROF== Connected to process 123
+program output
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","123","python","h","flash_fwd_kernel","1","7","(128, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,000,000"
+"0","123","python","h","flash_fwd_kernel","1","7","(128, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","250000"
+"1","123","python","h","flash_bwd_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","2.5"
+"1","123","python","h","flash_bwd_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Kbyte","500"
+==PROF== Disconnected from process 123
+'''
+
+RAW_CSV = '''"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum"
+"","","byte","Mbyte"
+"0","a","100","1"
+"1","b","200","2"
+'''
+
+
+def test_parse_ncu_csv_details_and_raw():
+    got = io.parse_ncu_csv(DETAILS_CSV)
+    assert got == {"read": 1_000_000 + 2_500_000, "write": 250_000 + 500_000, "kernels": 2}
+    assert io.parse_ncu_csv(RAW_CSV) == {"read": 300, "write": 3_000_000, "kernels": 2}
+    with pytest.raises(ValueError, match="header"):
+        io.parse_ncu_csv("==PROF== No kernels were profiled.\n")
+    with pytest.raises(ValueError, match="unit"):
+        io.parse_ncu_csv(DETAILS_CSV.replace('"Mbyte"', '"furlong"'))
+
+
+def test_ncu_command():
+    cmd = io.ncu_command("/usr/bin/ncu", "/tmp/x.csv", {"method": "cuflash", "mode": "fwd"})
+    assert cmd[0] == "/usr/bin/ncu"
+    assert "dram__bytes_read.sum,dram__bytes_write.sum" in cmd
+    assert cmd[cmd.index("--profile-from-start") + 1] == "off"
+    assert cmd[cmd.index("--log-file") + 1] == "/tmp/x.csv"
+    assert cmd[-4:-1] == ["-m", "cuflash.bench.io", "--probe"]
+    assert json.loads(cmd[-1]) == {"method": "cuflash", "mode": "fwd"}
+
+
+def test_run_ncu_reports_failure(tmp_path):
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM - no permission' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    got = io.run_ncu({"method": "cuflash"}, str(fake))
+    assert got["status"] == "error" and "ERR_NVGPUCTRPERM" in got["error"]
+    got = io.run_ncu({"method": "cuflash"}, str(tmp_path / "missing"))
+    assert got["status"] == "error" and "did not run" in got["error"]
+
+
+# ---- arguments -----------------------------------------------------------------------------
+
+
+def test_defaults():
+    args = cli.parse_args([])
+    assert args.tables == ["speed", "memory", "io", "sparse"]
+    assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert args.hdims == [64, 128] and args.dtypes == ["bfloat16"]
+    assert args.causal == "both" and args.causal_modes == [False, True]
+    assert args.modes == ["fwd", "bwd", "fwdbwd"]
+    assert args.peers == ["standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+    assert not args.io and args.json is None and args.csv is None and args.plot is None
+    assert args.repeats is None and args.warmup == 3 and args.tiles == []
+    assert args.memory_seqlens == [2048, 4096, 8192, 16384, 32768, 65536]
+    assert args.sparse_seqlen == 8192 and args.tablefmt == "github"
+
+
+def test_every_option(tmp_path):
+    args = cli.parse_args([
+        "--tables", "sparse", "io", "speed", "--seqlens", "4096", "1024", "4096",
+        "--hdims", "128", "64", "--dtypes", "float16", "bfloat16", "--causal", "yes",
+        "--modes", "fwdbwd", "fwd", "--peers", "flex", "sdpa_cudnn", "--io",
+        "--memory-seqlens", "8192", "1024", "--sparse-seqlen", "4096", "--repeats", "7",
+        "--warmup", "2", "--tiles", "128,64,4,1", "--json", str(tmp_path / "a.json"),
+        "--csv", str(tmp_path / "a.csv"), "--tablefmt", "plain"])
+    assert args.tables == ["speed", "io", "sparse"]  # canonical order
+    assert args.seqlens == [1024, 4096] and args.hdims == [128, 64]
+    assert args.dtypes == ["float16", "bfloat16"] and args.causal_modes == [True]
+    assert args.modes == ["fwd", "fwdbwd"] and args.peers == ["sdpa_cudnn", "flex"]
+    assert args.io and args.memory_seqlens == [1024, 8192] and args.sparse_seqlen == 4096
+    assert args.repeats == 7 and args.warmup == 2 and args.tiles == [(128, 64, 4, 1)]
+    assert args.json.endswith("a.json") and args.csv.endswith("a.csv")
+    assert args.tablefmt == "plain"
+    assert cli.parse_args(["--peers"]).peers == []
+    assert cli.parse_args(["--causal", "no"]).causal_modes == [False]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seqlens", "0"], "positive integer"),
+    (["--seqlens", "x"], "positive integer"),
+    (["--hdims", "100"], "multiples of 8"),
+    (["--hdims", "512"], "multiples of 8"),
+    (["--dtypes", "int8"], "invalid choice"),
+    (["--causal", "maybe"], "invalid choice"),
+    (["--modes", "both"], "invalid choice"),
+    (["--modes"], "expected at least one"),
+    (["--peers", "xformers"], "invalid choice"),
+    (["--tables", "graphs"], "invalid choice"),
+    (["--repeats", "0"], "positive integer"),
+    (["--warmup", "0"], "positive integer"),
+    (["--sparse-seqlen", "1000"], "128 times a power of two"),
+    (["--sparse-seqlen", "384"], "128 times a power of two"),
+    (["--tiles", "128,60,4,1"], "multiple of 16"),
+    (["--io", "--tables", "speed"], "add io to --tables"),
+    (["--plot", "x.png", "--tables", "io"], "add speed to --tables"),
+    (["--json", "/nonexistent/folder/x.json"], "does not exist"),
+    (["--csv", "/nonexistent/folder/x.csv"], "does not exist"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_needs_matplotlib(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "matplotlib_missing", lambda: "ModuleNotFoundError: matplotlib")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--plot", str(tmp_path / "p.png")])
+    assert "pip install 'cuflash[plot]'" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "matplotlib_missing", lambda: None)
+    assert cli.parse_args(["--plot", str(tmp_path / "p.png")]).plot.endswith("p.png")
+
+
+def test_step_counts():
+    args = cli.parse_args(["--seqlens", "1024", "2048", "--hdims", "64", "--causal", "no",
+                           "--modes", "fwd", "fwdbwd", "--peers", "sdpa_flash", "flex"])
+    assert speed.count_steps(args) == 2 * 2 * 2  # 2 seqlens x 2 modes x (cuflash + sdpa_flash)
+    margs = cli.memory_args(args)
+    assert margs.hdim == 64 and margs.heads == 32 and margs.peers == ["sdpa_flash"]
+    assert memory.count_steps(margs) == 6 * 2
+    assert sparse.count_steps(args) == 2 * 7 * 2  # 2 modes x 7 patterns x (cuflash + flex)
+    assert io.count_steps(args) == 2 + len(io.SWEEP_TILES)
+    assert cli.count_steps(args) == 1 + 8 + 12 + 6 + 28
+
+
+# ---- timing and progress -----------------------------------------------------------------
+
+
+class _FakeCupy:
+    """Events whose elapsed time is fixed; records which input set each call received."""
+
+    def __init__(self, elapsed_ms=5.0):
+        self.elapsed = elapsed_ms
+        stream = types.SimpleNamespace(synchronize=lambda: None)
+
+        class Event:
+            def record(self):
+                pass
+
+            def synchronize(self):
+                pass
+
+        self.cuda = types.SimpleNamespace(
+            Event=Event, get_current_stream=lambda: stream,
+            get_elapsed_time=lambda a, b: self.elapsed)
+
+
+def test_time_call_warms_up_rotates_and_adapts():
+    cupy = _FakeCupy(5.0)
+    seen = []
+    sets = [("a",), ("b",), ("c",)]
+    times, first = common.time_call(cupy, lambda x: seen.append(x) or x, sets, 3, None)
+    # 3 warm-up calls (the first compiles) + 1 probe + ceil(150 / 5) = 30 timed calls
+    assert first == "a" and len(times) == 30 and len(seen) == 34
+    assert seen[:6] == ["a", "b", "c", "a", "b", "c"]  # rotation through the sets
+    times, _ = common.time_call(cupy, lambda x: x, sets, 1, 4)
+    assert len(times) == 4
+    assert common.auto_repeats(0.01) == common.AUTO_MAX_REPEATS
+    assert common.auto_repeats(1000.0) == common.AUTO_MIN_REPEATS
+    assert common.auto_repeats(float("nan")) == common.AUTO_MAX_REPEATS
+
+
+def test_progress_bar_terminal_and_log():
+    clock = iter([0.0, 65.0, 65.0, 65.0, 65.0, 65.0, 65.0])
+    out = StringIO()
+    bar = common.Progress(4, stream=out, width=8, tty=True, clock=lambda: next(clock))
+    bar.start("speed fwd")
+    bar.advance()
+    bar.note("result line")
+    bar.clear()
+    bar.close()
+    text = out.getvalue()
+    assert "[##......] 1/4  25% 1:05 speed fwd" in text
+    assert "\r\033[Kresult line\n" in text
+    assert text.count("\n") == 1
+    log = StringIO()
+    lines = common.Progress(2, stream=log, tty=False)
+    lines.start("x")
+    lines.advance()
+    lines.note("done one")
+    lines.close()
+    assert log.getvalue() == "[1/2] done one\n"
+    assert common.format_duration(3599) == "59:59"
+
+
+# ---- speed table layout ------------------------------------------------------------------
+
+
+def _entry(ms, flop, status="ok", error=None):
+    return {"status": status, "error": error, "ms": ms, "times_ms": [ms] if ms else [],
+            "tflops": flop / (ms * 1e-3) / 1e12 if ms else None, "dtype": "bfloat16"}
+
+
+def _speed_records(dtypes=("bfloat16",)):
+    records = []
+    for dtype in dtypes:
+        for mode, ms in (("fwd", 1.0), ("bwd", 2.0), ("fwdbwd", 3.0)):
+            flop = io.flops(1024, 64, 32, 16, False, mode)
+            records.append({
+                "mode": mode, "seqlen": 1024, "hdim": 64, "causal": False, "batch": 16,
+                "heads": 32, "dtype": dtype, "flops": flop, "backends": {
+                    "cuflash": _entry(ms, flop),
+                    "standard": _entry(None, flop, "oom", "OutOfMemoryError: x"),
+                    "sdpa_flash": _entry(2 * ms, flop),
+                    "sdpa_cudnn": _entry(ms / 2, flop),
+                    "sdpa_efficient": _entry(None, flop, "unavailable", "PyTorch sees no CUDA device"),
+                }})
+    return records
+
+
+def test_speed_tables_layout():
+    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no"])
+    notes = common.Footnotes()
+    text = speed.format_tables(_speed_records(), args, {"matmul_tflops": 275.0}, None, notes)
+    for title in ("forward, causal=no, head dim 64, bfloat16",
+                  "backward, causal=no, head dim 64, bfloat16",
+                  "forward + backward, causal=no, head dim 64, bfloat16"):
+        assert title in text
+    header = next(line for line in text.splitlines() if line.startswith("| ") and "seqlen" in line)
+    for column in ("cuflash ms", "cuflash TFLOP/s", "standard ms", "sdpa_flash TFLOP/s",
+                   "sdpa_cudnn ms", "sdpa_efficient ms", "cuflash % of matmul peak",
+                   "cuflash / standard", "cuflash / sdpa_flash", "cuflash / sdpa_cudnn",
+                   "cuflash / sdpa_efficient"):
+        assert column in header
+    assert "137.4" in text and "50.0%" in text  # 137.4 TFLOP/s of 275
+    assert "2.00x" in text and "0.50x" in text and "OOM" in text
+    assert "[1] PyTorch SDPA columns: PyTorch sees no CUDA device" in text
+    assert "forward + backward 3.5 x that" in text
+    assert text.count("[1]") >= 4  # one footnote, referenced in every table
+
+
+def test_speed_tables_cuflash_failure_and_dtypes():
+    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no",
+                           "--dtypes", "bfloat16", "float16", "--modes", "fwd",
+                           "--peers", "standard"])
+    records = _speed_records(("bfloat16", "float16"))
+    records = [r for r in records if r["mode"] == "fwd"]
+    records[1]["backends"]["cuflash"] = _entry(None, 1, "error", "CUDADriverError: boom")
+    env = {"bfloat16": types.SimpleNamespace(standard_reason="cupy.matmul refused bfloat16"),
+           "float16": types.SimpleNamespace(standard_reason=None)}
+    notes = common.Footnotes()
+    text = speed.format_tables(records, args, {"matmul_tflops": 275.0}, env, notes)
+    assert "head dim 64, bfloat16" in text and "head dim 64, float16" in text
+    assert "standard (fp16) ms" in text and "standard runs in float16" in text
+    assert "FAILED [" in text and "cuflash: CUDADriverError: boom" in text
+    assert speed.cuflash_failures(records) == [
+        ("speed fwd float16 hdim 64 seq 1024 causal no: cuflash", "CUDADriverError: boom")]
+
+
+class _NumpyAsCupy:
+    cuda = types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def test_run_config_fwdbwd_plumbing(monkeypatch):
+    """fwdbwd end to end on a CPU: cuflash stood in for by the float64 reference, the standard
+    peer's real code on NumPy, SDPA unavailable, a cuflash failure recorded not raised."""
+    env = types.SimpleNamespace(cupy=_NumpyAsCupy(), torch=None, torch_reason="no torch here",
+                                dtype_name="float32", standard_dtype=np.dtype(np.float32),
+                                free_memory=lambda: None)
+
+    def fake_time_call(cupy, fn, input_sets, warmup, repeats):
+        return [1.0] * (repeats or 10), fn(*input_sets[0])
+
+    def reference_fwdbwd(causal):
+        def run(q, k, v, do):
+            return ref.standard_attention_backward(do, q, k, v, causal=causal)
+        return speed.Backend("cuflash", run, is_cuflash=True)
+
+    monkeypatch.setattr(speed, "time_call", fake_time_call)
+    monkeypatch.setattr(speed, "cuflash_fwdbwd_backend", reference_fwdbwd)
+    args = cli.parse_args(["--modes", "fwdbwd", "--peers", "standard", "sdpa_efficient"])
+    rng = np.random.default_rng(1)
+    sets = [tuple(rng.standard_normal((1, 2, 32, 16)).astype(np.float32) for _ in range(4))
+            for _ in range(2)]
+    record = speed.run_config(env, args, 16, 32, True, sets, "[test]", "fwdbwd")
+    assert record["flops"] == io.flops(32, 16, 128, 512, True, "fwdbwd")
+    assert list(record["backends"]) == ["cuflash", "standard", "sdpa_efficient"]
+    assert record["backends"]["standard"]["ms"] == 1.0
+    assert record["backends"]["sdpa_efficient"]["status"] == "unavailable"
+    assert record["max_rel_grad_diff_vs_cuflash"]["standard"] < 1e-4
+
+    def broken(causal):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(speed, "cuflash_fwdbwd_backend", broken)
+    record = speed.run_config(env, args, 16, 32, False, sets, "[test]", "fwdbwd")
+    assert record["backends"]["cuflash"]["status"] == "error"
+    assert "kernel exploded" in record["backends"]["cuflash"]["error"]
+    assert len(speed.cuflash_failures([record])) == 1
+
+
+# ---- memory table ------------------------------------------------------------------------
+
+
+def _memory_records():
+    def ok(nbytes):
+        return {"status": "ok", "error": None, "peak_bytes": nbytes, "retained_bytes": nbytes}
+    records = []
+    for seq in (4096, 8192, 16384, 32768):
+        outputs = 4 * memory.tensor_bytes(seq, 128, 16, 1)
+        standard = ok(16 * 2**20 * (seq // 4096) ** 2) if seq < 32768 else {
+            "status": "oom", "error": None, "peak_bytes": None}
+        records.append({"seqlen": seq, "batch": 1, "heads": 16, "hdim": 128, "causal": False,
+                        "dtype": "bfloat16", "outputs_bytes": outputs, "inputs_bytes": outputs,
+                        "backends": {"cuflash": ok(outputs + 2**20 * seq // 4096),
+                                     "sdpa_flash": ok(2 * outputs),
+                                     "sdpa_efficient": {"status": "unavailable", "peak_bytes": None,
+                                                        "error": "no torch"},
+                                     "standard": standard}})
+    return records
+
+
+def test_memory_table_shows_growth_and_oom_point():
+    margs = memory.memory_args([4096, 8192, 16384, 32768], 128,
+                               peers=["sdpa_flash", "sdpa_efficient", "standard", "flex"])
+    assert margs.heads == 16 and margs.peers == ["sdpa_flash", "sdpa_efficient", "standard"]
+    text = memory.format_table(_memory_records(), margs, common.Footnotes(),
+                               device_bytes=141 * 2**30)
+    assert "cuflash MiB" in text and "standard MiB" in text and "sdpa_efficient MiB" in text
+    assert "growth, cuflash: 4096->8192 (2x seq): x2.00 (linear)" in text
+    assert "growth, standard: 4096->8192 (2x seq): x4.00 (quadratic)" in text
+    assert "standard attention runs out of memory from seq 32768 on (the longest that ran: 16384)" in text
+    n_full = math.sqrt(141 * 2**30 / (16 * 6))
+    assert f"at N = {n_full:.0f}" in text and "16 x 1 x N^2 x 6 bytes" in text
+    assert "PyTorch columns: no torch" in text
+
+
+# ---- io table ----------------------------------------------------------------------------
+
+
+def test_io_table_analytical():
+    result = io.analytical_io("bfloat16")
+    assert result["shape"] == {"seq": 1024, "hdim": 64, "heads": 16, "batch": 64}
+    notes = common.Footnotes()
+    text = io.format_io(result, notes, no_gpu_reason=cli.NO_GPU_RUNTIME)
+    assert "IO: GPT-2 medium attention, forward + backward" in text
+    assert "bytes: analytical count" in text and "(ncu)" not in text
+    assert "| GFLOP" in text and "824.6" in text  # 12 N^2 d x 1024 heads
+    assert "25.23" in text  # standard, read + write, GB
+    assert "runtime ms" in text and "[1] no CUDA device found: runtime not measured" in text
+    assert "66.6 GFLOPs, 40.3 GB" in text  # the paper's numbers, for reference
+    assert "Br x Bc (warps)" in text and "K/V passes" in text
+    for tiles in io.SWEEP_TILES:
+        assert f"{tiles[0]} x {tiles[1]} ({tiles[2]})" in text
+
+
+def test_io_table_measured():
+    result = io.analytical_io("bfloat16")
+    result["bytes_source"] = "ncu"
+    result["methods"]["standard"].update(ms=40.0, status="ok",
+                                         ncu={"status": "ok", "read": 30e9, "write": 12e9})
+    result["methods"]["cuflash"].update(ms=5.0, status="ok",
+                                        ncu={"status": "error", "error": "ncu failed: ERR_NVGPUCTRPERM"})
+    for k, row in enumerate(result["sweep"]):
+        row.update(ms=1.0 + k, status="ok", ncu={"status": "ok", "read": 2e9, "write": 1e8})
+    text = io.format_io(result, common.Footnotes())
+    assert "bytes: measured by ncu" in text
+    assert "read + write GB (ncu)" in text and "42.00" in text
+    assert "ncu failed: ERR_NVGPUCTRPERM" in text
+    assert "40.00" in text and "5.00" in text
+    assert "2.10" in text  # sweep row, ncu read + write
+
+
+# ---- block-sparse table ------------------------------------------------------------------
+
+
+def test_patterns_from_masks():
+    patterns = sparse.build_patterns(64)
+    names = [p.name for p in patterns]
+    assert names[0] == "dense" and patterns[0].density == 1.0
+    if len(patterns) == 1:
+        pytest.skip("cuflash.masks is not importable here")
+    assert names[1:] == ["butterfly(64)", "fixed(64, 8, 1)", "strided(64, 8)", "local(64, 2)",
+                         "causal(64)", "random(64, 0.1, 0)"]
+    for p in patterns[1:]:
+        assert p.error is None and 0 < p.density < 1
+        assert p.mask.to_dense().shape == (64, 64)
+    assert patterns[1].density == pytest.approx(7 / 64)  # 1 + log2(64) blocks a row
+    assert patterns[4].density == pytest.approx((5 * 64 - 6) / 64**2)  # |i - j| <= 2
+
+
+def test_patterns_degrade():
+    partial = types.SimpleNamespace(butterfly=lambda n: (_ for _ in ()).throw(ValueError("no")))
+    patterns = sparse.build_patterns(64, partial)
+    assert patterns[0].name == "dense"
+    assert patterns[1].error == "ValueError: no"
+    assert all(p.error for p in patterns[1:])  # missing functions: AttributeError kept
+
+
+def test_block_mask_support_detection(monkeypatch):
+    assert not sparse.block_mask_supported(lambda q, k, v, *, causal=False: None)
+    assert sparse.block_mask_supported(lambda q, k, v, *, block_mask=None: None)
+    assert sparse.block_mask_supported(lambda q, k, v, **kw: None)
+    assert sparse.is_missing_block_mask(TypeError("attention() got an unexpected keyword "
+                                                  "argument 'block_mask'"))
+    assert not sparse.is_missing_block_mask(TypeError("dtype"))
+    import cuflash
+
+    monkeypatch.setattr(cuflash, "attention", lambda q, k, v, *, causal=False, scale=None: None)
+    assert sparse.cuflash_case("fwd", object()) == (None, sparse.NOT_IN_BUILD)
+    case, reason = sparse.cuflash_case("fwd", None)  # dense needs no block_mask
+    assert reason is None and callable(case[0])
+
+
+def test_flex_block_mask_on_cpu():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    present = np.array([[1, 0, 1], [0, 1, 0], [1, 1, 1]], bool)
+    bm = sparse.flex_block_mask(torch, present, (128, 128), device="cpu")
+    assert bm.to_dense()[0, 0].numpy().astype(bool).tolist() == present.tolist()
+
+
+def _sparse_records():
+    records = []
+    for name, kind, density, mine, theirs in (
+            ("dense", "dense", 1.0, 4.0, 5.0),
+            ("butterfly(64)", "butterfly", 7 / 64, None, 1.0),
+            ("local(64, 2)", "local", 0.077, None, None)):
+        cu = ({"ms": mine, "status": "ok", "error": None} if mine else
+              {"ms": None, "status": "unavailable", "error": sparse.NOT_IN_BUILD})
+        fl = ({"ms": theirs, "status": "ok", "error": None} if theirs else
+              {"ms": None, "status": "error", "error": "RuntimeError: flex broke"})
+        records.append({"mode": "fwd", "pattern": name, "kind": kind, "density": density,
+                        "seqlen": 8192, "hdim": 64, "batch": 2, "heads": 32,
+                        "dtype": "bfloat16", "block_size": 128, "flops": 1e12 * density,
+                        "masks_reason": None, "backends": {"cuflash": cu, "flex": fl}})
+    return records
+
+
+def test_sparse_table_layout():
+    args = cli.parse_args(["--modes", "fwd"])
+    text = sparse.format_sparse(_sparse_records(), args, common.Footnotes())
+    assert "block-sparse forward, seq 8192, head dim 64, 2 x 32" in text
+    for column in ("pattern", "density", "cuflash ms", "cuflash speedup over dense", "flex ms",
+                   "flex speedup over dense", "cuflash / flex"):
+        assert column in text
+    assert "4.000" in text and "1.25x" in text  # dense: flex 5 / cuflash 4
+    assert "5.00x" in text  # flex butterfly: 5 ms dense / 1 ms
+    assert f"[1] {sparse.NOT_IN_BUILD}" in text
+    assert "flex: RuntimeError: flex broke" in text
+    assert sparse.cuflash_failures(_sparse_records()) == []
+    no_flex = cli.parse_args(["--modes", "fwd", "--peers", "standard"])
+    assert "flex ms" not in sparse.format_sparse(_sparse_records(), no_flex, common.Footnotes())
+
+
+# ---- raw numbers -------------------------------------------------------------------------
+
+
+def _results():
+    io_result = io.analytical_io()
+    io_result["methods"]["cuflash"].update(ms=5.0, status="ok",
+                                           ncu={"status": "ok", "read": 10, "write": 20})
+    return {"info": {"gpu": "fake"}, "settings": cli.settings(cli.parse_args([])),
+            "speed": {"records": _speed_records()}, "memory": {"records": _memory_records()},
+            "io": {"result": io_result}, "sparse": {"records": _sparse_records()}}
+
+
+def test_csv_and_json(tmp_path):
+    results = _results()
+    cli.write_csv(str(tmp_path / "r.csv"), results)
+    with open(tmp_path / "r.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(cli.CSV_FIELDS)
+    tables = [r["table"] for r in rows]
+    assert tables.count("speed") == 3 * 5 and tables.count("memory") == 4 * 4
+    assert tables.count("io") == 2 + 1 + len(io.SWEEP_TILES)  # + the cuflash ncu row
+    assert tables.count("sparse") == 3 * 2
+    first = rows[0]
+    assert first["backend"] == "cuflash" and float(first["ms"]) == 1.0
+    assert float(first["tflops"]) == pytest.approx(137.4, abs=0.05)
+    ncu = [r for r in rows if r["bytes_source"] == "ncu"]
+    assert len(ncu) == 1 and ncu[0]["bytes_read"] == "10"
+    oom = [r for r in rows if r["table"] == "memory" and r["status"] == "oom"]
+    assert oom and oom[0]["peak_bytes"] == ""
+    cli.write_json(str(tmp_path / "r.json"), results)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["settings"]["repeats"] == "auto"
+    assert data["io"]["result"]["methods"]["standard"]["analytical"]["read"] == \
+        io.standard_traffic(1024, 64, 16, 64).read
+    assert len(data["speed"]["records"]) == 3
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no",
+                           "--plot", str(tmp_path / "p.png")])
+    records = _speed_records()
+    more = json.loads(json.dumps(records))
+    for r in more:
+        r["seqlen"] = 2048
+    cli.plot_speed(args.plot, records + more, args)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the command without a GPU -----------------------------------------------------------
+
+
+def test_import_needs_neither_cupy_nor_torch():
+    code = ("import sys, cuflash.bench.cli, cuflash.bench.io, cuflash.bench.sparse; "
+            "print('cupy' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "False False"
+
+
+@pytest.mark.parametrize("argv", [["--tables", "speed"], [], ["--tables", "io", "--io"],
+                                  ["--tables", "io", "memory"]])
+def test_no_gpu_exits_with_one_line(argv):
+    out = run_cli(*argv)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "cuflash-bench: no CUDA device found"
+    assert out.stdout == ""
+
+
+def test_no_gpu_io_table_prints(tmp_path):
+    out = run_cli("--tables", "io", "--json", str(tmp_path / "io.json"),
+                  "--csv", str(tmp_path / "io.csv"))
+    assert out.returncode == 0, out.stderr
+    assert "IO: GPT-2 medium attention" in out.stdout and "bytes: analytical count" in out.stdout
+    assert "no CUDA device found: runtime not measured" in out.stdout
+    data = json.loads((tmp_path / "io.json").read_text())
+    assert data["io"]["result"]["bytes_source"] == "analytical"
+    assert (tmp_path / "io.csv").read_text().startswith("table,dtype,mode")
+
+
+def test_entry_points():
+    out = run_cli("--help", module="cuflash.bench")
+    assert out.returncode == 0 and "--tables" in out.stdout and "--plot" in out.stdout
+    bad = run_cli("--modes", "sideways")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    assert 'cuflash-bench = "cuflash.bench.cli:main"' in text and 'plot = ["matplotlib"]' in text
+
+
+# ---- the whole command on fakes ----------------------------------------------------------
+
+
+class _FakeGpu(_NumpyAsCupy):
+    """NumPy under CuPy's name with events, streams and a memory pool: enough for cli.run."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.random = types.SimpleNamespace(
+            standard_normal=lambda shape, dtype=np.float32: rng.standard_normal(shape).astype(dtype))
+
+        class Event:
+            def record(self):
+                pass
+
+            def synchronize(self):
+                pass
+
+        stream = types.SimpleNamespace(synchronize=lambda: None)
+        self.cuda = types.SimpleNamespace(
+            Event=Event, get_current_stream=lambda: stream, get_elapsed_time=lambda a, b: 2.0,
+            memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+
+    def get_default_memory_pool(self):
+        return types.SimpleNamespace(free_all_blocks=lambda: None)
+
+
+def _fake_run(monkeypatch, tmp_path, argv, fail_cuflash=False):
+    fake = _FakeGpu()
+    env = common.Env(fake, None, "no torch in this test", "float32", np.float32, None,
+                     np.dtype(np.float32), None, True, 10_000)
+    import dataclasses
+
+    monkeypatch.setattr(common, "setup_env", lambda dtype, prog=common.PROG:
+                        dataclasses.replace(env, dtype_name=dtype))
+    monkeypatch.setattr(common, "prebuild", lambda variants, jobs=None: len(variants))
+    monkeypatch.setattr(common, "device_info", lambda env: {
+        "gpu": "FakeGPU", "sms": 1, "l2_mb": 0.01, "memory_bytes": 2**30, "cuda_runtime": "0",
+        "cuda_driver": "0", "cupy": "0", "torch": None, "torch_reason": env.torch_reason,
+        "commit": "test", "inputs": "numpy"})
+    monkeypatch.setattr(common, "measure_ceilings", lambda env, repeats=None: {
+        "matmul": "fake", "matmul_n": 8, "matmul_ms": 1.0, "matmul_tflops": 100.0,
+        "copy_bytes": 2**30, "copy_ms": 1.0, "copy_gbps": 2000.0})
+    small = lambda seq, hdim, tokens=None, hidden=None: (1, 2, seq, hdim)  # noqa: E731
+    monkeypatch.setattr(speed, "problem_shape", small)
+    monkeypatch.setattr(common, "problem_shape", small)
+    monkeypatch.setitem(io.GPT2_MEDIUM, "seq", 64)
+    monkeypatch.setitem(io.GPT2_MEDIUM, "batch", 1)
+    monkeypatch.setitem(io.GPT2_MEDIUM, "heads", 2)
+    monkeypatch.setitem(io.GPT2_MEDIUM, "hdim", 16)
+
+    def check(*_):
+        if fail_cuflash:
+            raise RuntimeError("cuflash kernel failed")
+
+    def fwd(causal, hdim=None, tiles=None):
+        def run(q, k, v):
+            check()
+            return ref.standard_attention(q, k, v, causal=causal).o
+        return speed.Backend("cuflash", run, is_cuflash=True)
+
+    def both(causal):
+        def run(q, k, v, do):
+            check()
+            return ref.standard_attention_backward(do, q, k, v, causal=causal)
+        return speed.Backend("cuflash", run, is_cuflash=True)
+
+    def bwd(causal):
+        def prepare(q, k, v, do):
+            return (do, q, k, v)
+        def run(do, q, k, v):
+            check()
+            return ref.standard_attention_backward(do, q, k, v, causal=causal)
+        return speed.Backend("cuflash", run, prepare=prepare, is_cuflash=True)
+
+    monkeypatch.setattr(speed, "cuflash_backend", fwd)
+    monkeypatch.setattr(speed, "cuflash_backward_backend", bwd)
+    monkeypatch.setattr(speed, "cuflash_fwdbwd_backend", both)
+    monkeypatch.setattr(memory, "measure_cuflash", lambda env, args, inputs: {
+        "status": "ok", "error": None, "peak_bytes": 4 * inputs[0].nbytes,
+        "retained_bytes": 0, "allocations": 4})
+    real_case_fn = io.case_fn
+
+    def case_fn(env, method, mode, causal, shape):
+        if method == "standard":
+            return real_case_fn(env, method, mode, causal, shape)
+        return (fwd(causal).fn if mode == "fwd" else both(causal).fn)
+
+    monkeypatch.setattr(io, "case_fn", case_fn)
+    monkeypatch.setattr(io, "tiles_context", lambda tiles, hdim: __import__("contextlib").nullcontext())
+    def cuflash_case(mode, mask):  # this build has no block-sparse kernels
+        if mask is not None:
+            return None, sparse.NOT_IN_BUILD
+        return ((fwd(False).fn if mode == "fwd" else both(False).fn), None), None
+
+    monkeypatch.setattr(sparse, "cuflash_case", cuflash_case)
+    args = cli.parse_args(argv + ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")])
+    return cli.run(args)
+
+
+def test_run_every_table_on_fakes(monkeypatch, tmp_path, capsys):
+    code = _fake_run(monkeypatch, tmp_path, [
+        "--seqlens", "32", "64", "--hdims", "16", "--dtypes", "float32", "--repeats", "3",
+        "--memory-seqlens", "32", "64", "--sparse-seqlen", "256"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    text = out.out
+    assert "GPU: FakeGPU" in text and "ceilings: matmul" in text
+    for title in ("forward, causal=no, head dim 16, float32",
+                  "forward + backward, causal=yes, head dim 16, float32",
+                  "peak extra memory of forward + backward",
+                  "IO: GPT-2 medium attention", "IO: bytes moved and runtime against the tile size",
+                  "block-sparse forward, seq 256", "block-sparse forward + backward, seq 256"):
+        assert title in text
+    assert "PyTorch SDPA columns: no torch in this test" in text
+    if sparse.load_masks()[0] is not None:
+        assert sparse.NOT_IN_BUILD in text and "butterfly(2)" in text
+    assert "FAILED" not in text
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data) >= {"info", "settings", "ceilings", "speed", "memory", "io", "sparse"}
+    speed_rows = data["speed"]["records"]
+    assert len(speed_rows) == 2 * 3 * 2  # seqlens x modes x causal
+    assert all(r["backends"]["cuflash"]["ms"] == 2.0 for r in speed_rows)
+    assert all(r["backends"]["standard"]["status"] == "ok" for r in speed_rows)
+    assert data["io"]["result"]["methods"]["standard"]["ms"] == 2.0
+    with open(tmp_path / "r.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["table"] for r in rows} == {"speed", "memory", "io", "sparse"}
+    assert "[" in out.err  # progress lines on stderr
+
+
+def test_run_exits_1_when_cuflash_fails(monkeypatch, tmp_path, capsys):
+    code = _fake_run(monkeypatch, tmp_path, [
+        "--tables", "speed", "--seqlens", "32", "--hdims", "16", "--dtypes", "float32",
+        "--modes", "fwd", "--causal", "no", "--repeats", "2", "--peers", "standard"],
+        fail_cuflash=True)
+    out = capsys.readouterr()
+    assert code == 1
+    assert "FAILED [1]" in out.out and "cuflash: RuntimeError: cuflash kernel failed" in out.out
+    assert "cuflash-bench: cuflash failed in 1 measurement(s)" in out.err
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["speed"]["records"][0]["backends"]["standard"]["status"] == "ok"
+
+
+def test_kernel_variants():
+    args = cli.parse_args([])
+    keys = [v.key for v in cli.kernel_variants(args)]
+    assert len(keys) == len(set(keys))
+    assert sum(k.startswith("fwd_") for k in keys) == 4 + len(io.SWEEP_TILES) - 1  # default tile shared
+    args = cli.parse_args(["--tables", "speed", "--hdims", "64", "--causal", "no", "--tiles",
+                           "64,64,4,1"])
+    assert [v.key.split("_")[0] for v in cli.kernel_variants(args)].count("fwd") == 2
