@@ -364,6 +364,29 @@ def _blocks(n: int, size: int):
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 
+def _online_softmax_step(s_ij, v_j, o_i, l_i, m_i):
+    """One tile of the online softmax: fold scores s_ij (masked entries -inf) and values v_j
+    into the row block's running (O_i, l_i, m_i). Returns (O_i, l_new, m_new).
+
+    A row with no allowed key in this tile has m~ = -inf; the safe shift (_shift_of) makes its
+    P~ row exactly 0, and if the row has seen no allowed key at all, m_new = -inf and both
+    rescale factors are exp(-inf) = 0 rather than NaN.
+    """
+    m_tilde = s_ij.max(axis=1)
+    p_tilde = np.exp(s_ij - _shift_of(m_tilde)[:, None])
+    l_tilde = p_tilde.sum(axis=1)
+    m_new = np.maximum(m_i, m_tilde)
+    shift = _shift_of(m_new)
+    old_factor = np.exp(m_i - shift)  # e^{m_i - m_i^new}
+    block_factor = np.exp(m_tilde - shift)  # e^{m~_ij - m_i^new}
+    l_new = old_factor * l_i + block_factor * l_tilde
+    # O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~_ij - m_new} P~_ij V_j).
+    # O_i is stored normalised, so it is re-scaled by l_i first; rows with l_new = 0 have a
+    # zero numerator, and dividing by 1 keeps them 0.
+    numerator = (l_i * old_factor)[:, None] * o_i + block_factor[:, None] * (p_tilde @ v_j)
+    return numerator / _safe_divisor(l_new)[:, None], l_new, m_new
+
+
 def _flash_forward_head(q, k, v, allowed, scale, block_rows, block_cols):
     """Algorithm 1 for one head: q (Nq, d), k (Nk, d), v (Nk, dv), allowed (Nq, Nk).
 
@@ -391,28 +414,9 @@ def _flash_forward_head(q, k, v, allowed, scale, block_rows, block_cols):
             s_ij = scale * (q_i @ k_j.T)
             s_ij = np.where(allowed[rows, cols], s_ij, -np.inf)
 
-            # Line 10: block-local row max, exponentials and row sums.
-            # A row with no allowed key in this block has m~ = -inf; the
-            # shift of 0 from _shift_of makes its P~ row exactly 0.
-            m_tilde = s_ij.max(axis=1)
-            p_tilde = np.exp(s_ij - _shift_of(m_tilde)[:, None])
-            l_tilde = p_tilde.sum(axis=1)
-
-            # Line 11: merge the running statistics with this block's.
-            # If neither has seen an allowed key, m_new = -inf; with the safe
-            # shift both rescale factors are exp(-inf) = 0 rather than NaN.
-            m_new = np.maximum(m_i, m_tilde)
-            shift = _shift_of(m_new)
-            old_factor = np.exp(m_i - shift)  # e^{m_i - m_i^new}
-            block_factor = np.exp(m_tilde - shift)  # e^{m~_ij - m_i^new}
-            l_new = old_factor * l_i + block_factor * l_tilde
-
-            # Line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i
-            #                                  + e^{m~_ij - m_new} P~_ij V_j).
-            # O_i is stored normalised, so it is re-scaled by l_i first.  Rows
-            # with l_new = 0 have a zero numerator; dividing by 1 keeps O_i = 0.
-            numerator = (l_i * old_factor)[:, None] * o_i + block_factor[:, None] * (p_tilde @ v_j)
-            o[rows] = numerator / _safe_divisor(l_new)[:, None]
+            # Lines 10-12: block-local max, exponentials and sums (m~, P~, l~),
+            # merged with the running statistics, and the rescaled O_i written back.
+            o[rows], l_new, m_new = _online_softmax_step(s_ij, v_j, o_i, l_i, m_i)
 
             # Line 13: write l_i <- l_new, m_i <- m_new to HBM.
             l[rows] = l_new
@@ -653,27 +657,10 @@ def _block_sparse_forward_head(q, k, v, q_num_blocks, q_indices, scale, block_si
             # mask: the short last blocks simply have fewer rows / columns.
             s_ij = np.where(_tile_allowed(rows, cols, shift, causal, window), s_ij, -np.inf)
 
-            # Line 13: m~_ij = rowmax(S), P~_ij = exp(S - m~_ij),
-            # l~_ij = rowsum(P~_ij).  Rows with no allowed key in this tile get
-            # m~ = -inf; the safe shift makes their P~ row exactly 0.
-            m_tilde = s_ij.max(axis=1)
-            p_tilde = np.exp(s_ij - _shift_of(m_tilde)[:, None])
-            l_tilde = p_tilde.sum(axis=1)
-
-            # Line 14: m_new = max(m_i, m~_ij),
-            # l_new = e^{m_i - m_new} l_i + e^{m~_ij - m_new} l~_ij
-            # (both factors 0, not NaN, while no allowed key has been seen).
-            m_new = np.maximum(m_i, m_tilde)
-            shift_new = _shift_of(m_new)
-            old_factor = np.exp(m_i - shift_new)
-            block_factor = np.exp(m_tilde - shift_new)
-            l_new = old_factor * l_i + block_factor * l_tilde
-
-            # Line 15: dropout of P~_ij -- not applicable.
-            # Line 16: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i
-            #                                 + e^{m~_ij - m_new} P~_ij V_j).
-            numerator = (l_i * old_factor)[:, None] * o_i + block_factor[:, None] * (p_tilde @ v_j)
-            o[rows] = numerator / _safe_divisor(l_new)[:, None]
+            # Lines 13-16: m~_ij = rowmax(S), P~_ij = exp(S - m~_ij), l~_ij =
+            # rowsum(P~_ij); m_new, l_new; (line 15, dropout: not applicable); the
+            # rescaled O_i written back. The same step as Algorithm 1's lines 10-12.
+            o[rows], l_new, m_new = _online_softmax_step(s_ij, v_j, o_i, l_i, m_i)
 
             # Line 17: write l_i <- l_new, m_i <- m_new to HBM.
             l[rows] = l_new
