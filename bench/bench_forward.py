@@ -7,7 +7,7 @@ speed table of ``cuflash-bench`` with this script's original options and default
         --tiles 128,64,8,1 --tiles 256,32,8,1,2        # tuning: one column per tile entry
 
 The code lives in cuflash.bench.speed (the harness, backends, timing and tables are described
-there); this module keeps the command line that scripts/gpu_suite.sh and earlier results use.
+there); this module keeps the command line that produced the results in bench/results/.
 ``python -m bench`` runs the whole ``cuflash-bench`` (speed, memory, IO and block-sparse tables).
 
 Importing this module needs neither a GPU nor CuPy's CUDA libraries.

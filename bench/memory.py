@@ -5,7 +5,7 @@ The memory table of ``cuflash-bench`` with this script's original options and de
     python -m bench.memory --seqlens 4096 16384 --hdim 64 --heads 32 --causal yes --json m.json
 
 The code and what is counted are described in cuflash.bench.memory; this module keeps the
-command line that scripts/gpu_suite.sh and earlier results use. Importing it needs neither a
+command line that produced the results in bench/results/. Importing it needs neither a
 GPU nor CuPy.
 """
 

@@ -160,18 +160,21 @@ def all_forward_variants():
 
 
 @contextlib.contextmanager
-def forward_tiles_override(tiles_by_bucket):
-    """Temporarily replace table entries {head_dim_bucket: (block_rows, block_cols, warps, min_blocks)}.
-
-    For tuning runs (bench/tune_forward.py) that compare tile sizes in one process.
-    """
-    saved = dict(_TC_FORWARD_TILES)
-    _TC_FORWARD_TILES.update(tiles_by_bucket)
+def _table_override(table, entries):
+    """Temporarily update a tile table (for tuning runs that compare tiles in one process)."""
+    saved = dict(table)
+    table.update(entries)
     try:
         yield
     finally:
-        _TC_FORWARD_TILES.clear()
-        _TC_FORWARD_TILES.update(saved)
+        table.clear()
+        table.update(saved)
+
+
+def forward_tiles_override(tiles_by_bucket):
+    """Temporarily replace _TC_FORWARD_TILES entries
+    {head_dim_bucket: (block_rows, block_cols, warps, min_blocks[, qk_unroll])}."""
+    return _table_override(_TC_FORWARD_TILES, tiles_by_bucket)
 
 
 # ---- backward -----------------------------------------------------------------------------
@@ -404,16 +407,9 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     return BackwardPlan(pre, passes, dq, atomic)
 
 
-@contextlib.contextmanager
 def backward_tiles_override(tiles_by_bucket):
     """Temporarily replace _TC_BACKWARD_TILES entries (tuning runs, like forward_tiles_override)."""
-    saved = dict(_TC_BACKWARD_TILES)
-    _TC_BACKWARD_TILES.update(tiles_by_bucket)
-    try:
-        yield
-    finally:
-        _TC_BACKWARD_TILES.clear()
-        _TC_BACKWARD_TILES.update(saved)
+    return _table_override(_TC_BACKWARD_TILES, tiles_by_bucket)
 
 
 def all_backward_variants():

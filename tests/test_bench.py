@@ -16,6 +16,7 @@ import pytest
 
 from bench import bench_forward as bf
 from bench import memory as bm
+from cpu_fakes import NumpyAsCupy
 from cuflash import reference as ref
 from cuflash.bench import speed
 
@@ -219,23 +220,12 @@ def test_standard_backward_backend_prepares_one_set():
     assert dq.shape == dk.shape == dv.shape == x.shape
 
 
-class _NumpyAsCupy:
-    """NumPy under CuPy's name, with the bits of cupy.cuda the benchmark touches."""
-
-    cuda = types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
-        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
 def test_run_config_backward_plumbing(monkeypatch):
     """bwd mode end to end on a CPU: input sets with dO, prepare, the gradient check, FLOPs.
 
     cuflash's backward is stood in for by the float64 reference; the standard peer runs its
     real code with NumPy as the array module; SDPA is unavailable without torch."""
-    env = types.SimpleNamespace(cupy=_NumpyAsCupy(), torch=None, torch_reason="no torch here",
+    env = types.SimpleNamespace(cupy=NumpyAsCupy(), torch=None, torch_reason="no torch here",
                                 dtype_name="float32", standard_dtype=np.dtype(np.float32),
                                 free_memory=lambda: None)
     calls = []

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpu_fakes import NumpyAsCupy
 from cuflash import reference as ref
 from cuflash.bench import cli, common, io, memory, sparse, speed
 
@@ -443,19 +444,10 @@ def test_speed_tables_cuflash_failure_and_dtypes():
         ("speed fwd float16 hdim 64 seq 1024 causal no: cuflash", "CUDADriverError: boom")]
 
 
-class _NumpyAsCupy:
-    cuda = types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
-        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
 def test_run_config_fwdbwd_plumbing(monkeypatch):
     """fwdbwd end to end on a CPU: cuflash stood in for by the float64 reference, the standard
     peer's real code on NumPy, SDPA unavailable, a cuflash failure recorded not raised."""
-    env = types.SimpleNamespace(cupy=_NumpyAsCupy(), torch=None, torch_reason="no torch here",
+    env = types.SimpleNamespace(cupy=NumpyAsCupy(), torch=None, torch_reason="no torch here",
                                 dtype_name="float32", standard_dtype=np.dtype(np.float32),
                                 free_memory=lambda: None)
 
@@ -736,7 +728,7 @@ def test_entry_points():
 # ---- the whole command on fakes ----------------------------------------------------------
 
 
-class _FakeGpu(_NumpyAsCupy):
+class _FakeGpu(NumpyAsCupy):
     """NumPy under CuPy's name with events, streams and a memory pool: enough for cli.run."""
 
     def __init__(self):
