@@ -2,6 +2,7 @@
 
     o, l, m = cuflash.attention(q, k, v, causal=False, scale=None)
     dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, l, m, causal=False)
+    o, l, m = cuflash.attention(q, k, v, block_mask=cuflash.masks.butterfly(32), window=(512, 0))
 
 Importing cuflash needs neither a GPU nor CuPy's CUDA libraries; they load on first call.
 """

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import math
 import struct
-from typing import Any, NamedTuple
+import threading
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from . import _config, _loader
+from .masks import DEFAULT_BLOCK_SIZE, BlockMask, _block_pair, _window_pair
 
 MAX_LEAD_DIMS = 4  # kMaxLead in kernels/common.cuh
 
@@ -197,19 +201,154 @@ def _resolve_scale(scale, d):
     return value
 
 
-# Field order of struct FwdParams in kernels/common.cuh (every member 8 bytes).
-_FWD_PARAM_FORMAT = "<" + "Q" * 6 + "q" * 4 + "q" + "q" * (4 * 4) + "q" * 3 + "q" + "dd"
+# Field order of struct FwdParams in kernels/common.cuh (every member 8 bytes; tests/
+# test_validation.py counts the header's members against this).
+_FWD_PARAM_FORMAT = "<" + "".join((
+    "Q" * 6,                    # q, k, v, o, l, m
+    "q" * 4 + "q",              # nq, nk, d, dv; num_batch
+    "q" * (4 * MAX_LEAD_DIMS),  # lead_shape, q/k/v_lead_stride
+    "q" * 3 + "q",              # q/k/v_row_stride; kv_group
+    "dd",                       # scale, scale_log2
+    "qq",                       # window_left, window_right
+    "QQQ",                      # tile_counts, tile_lists, blocks
+    "qq" + "q" * 4,             # n_outer, list_stride; block_q, block_k, mask_tq, mask_tk
+    "q" * MAX_LEAD_DIMS,        # mask_lead_stride
+))
+NO_WINDOW = (-1, -1)
+# The block-sparsity fields of a dense launch: null lists, so the kernel walks every tile.
+_DENSE_TILES = (0,) * (3 + 2 + 4 + MAX_LEAD_DIMS)
+_DENSE_SPARSITY = NO_WINDOW + _DENSE_TILES  # everything after scale_log2
 
 
-def _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale):
+def _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale,
+                         sparsity=_DENSE_SPARSITY):
+    """struct FwdParams as bytes; sparsity: the fields after scale_log2 (_sparsity_fields)."""
     num_batch = math.prod(layout.lead_shape)
     values = (
         q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
         nq, nk, d, dv, num_batch,
         *layout.lead_shape, *layout.q_strides, *layout.k_strides, *layout.v_strides,
-        *row_strides, layout.kv_group, scale, scale * math.log2(math.e),
+        *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity,
     )
     return np.void(struct.pack(_FWD_PARAM_FORMAT, *values))
+
+
+# ---- block masks and windows --------------------------------------------------------------
+
+# Boolean arrays given as block_mask, converted to BlockMasks, by content: a caller that passes
+# the same array every step pays the conversion (and the GPU copies of its lists) once.
+_converted_masks: "collections.OrderedDict[tuple, BlockMask]" = collections.OrderedDict()
+_converted_lock = threading.Lock()
+_MAX_CONVERTED_MASKS = 16
+
+
+def _host_blocks(block_mask) -> np.ndarray:
+    """block_mask (NumPy, CuPy, or any array NumPy or DLPack can read) as a NumPy array."""
+    on_gpu = hasattr(block_mask, "__cuda_array_interface__") or (
+        hasattr(block_mask, "__dlpack_device__")
+        and int(block_mask.__dlpack_device__()[0]) in _DLPACK_CUDA_DEVICES
+    )
+    return as_cupy(block_mask, "block_mask").get() if on_gpu else np.asarray(block_mask)
+
+
+def as_block_mask(block_mask, block_size=None) -> Optional[BlockMask]:
+    """The BlockMask that ``block_mask=`` (with ``block_size=``) stands for, or None.
+
+    A BlockMask passes through; block_size must then be left out or equal its block size.
+    A boolean array (..., Tq, Tk) becomes ``BlockMask.from_dense(array, block_size)``, block
+    size 128 by default; equal arrays give the same (cached) BlockMask.
+    """
+    if block_mask is None:
+        if block_size is not None:
+            raise ValueError(f"block_size={block_size!r} was given without a block_mask")
+        return None
+    if isinstance(block_mask, BlockMask):
+        if block_size is not None and _block_pair(block_size) != block_mask.block_size:
+            raise ValueError(
+                f"block_size={block_size!r} differs from the block size {block_mask.block_size} "
+                f"of the given {block_mask!r}; leave block_size out when passing a BlockMask"
+            )
+        return block_mask
+    size = _block_pair(DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+    blocks = np.ascontiguousarray(_host_blocks(block_mask))
+    key = (blocks.shape, blocks.dtype.str, size, hashlib.blake2b(blocks.tobytes(), digest_size=16).digest())
+    with _converted_lock:
+        mask = _converted_masks.get(key)
+        if mask is not None:
+            _converted_masks.move_to_end(key)
+            return mask
+    try:
+        mask = BlockMask.from_dense(blocks, size)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"block_mask must be a cuflash.masks.BlockMask or a boolean array (..., Tq, Tk): {exc}"
+        ) from None
+    with _converted_lock:
+        _converted_masks[key] = mask
+        while len(_converted_masks) > _MAX_CONVERTED_MASKS:
+            _converted_masks.popitem(last=False)
+    return mask
+
+
+def check_sparsity(block_mask, block_size, window, nq: int, nk: int, out_lead_shape) -> Tuple:
+    """(BlockMask or None, (left, right) or None) for attention's block_mask / window arguments.
+
+    The mask's grid must be exactly (ceil(Nq / bq), ceil(Nk / bk)) and its leading dims must
+    broadcast to the output's, ``out_lead_shape``. A window of (-1, -1) is no window.
+    """
+    mask = as_block_mask(block_mask, block_size)
+    if mask is not None:
+        mask.check(nq, nk, batch_shape=tuple(out_lead_shape))
+    return mask, window_option(window)
+
+
+def window_option(window) -> Optional[Tuple[int, int]]:
+    """window= as (left, right), or None for no window (which (-1, -1) also is)."""
+    window = _window_pair(window)
+    return None if window == NO_WINDOW else window
+
+
+def _layout_with_mask(qkv_strides, extras, mask) -> BatchLayout:
+    """broadcast_layout with the block mask as one more extra operand (the last), so that its
+    leading dims take part in merging and get strides over the merged dims, counted in whole
+    (Tq, Tk) slices: the kernel's mask-batch index, for the lists and the block bytes."""
+    if mask is None:
+        return broadcast_layout(*qkv_strides, extras=extras)
+    batch = mask.batch_shape
+    slice_strides = tuple(math.prod(batch[i + 1:]) for i in range(len(batch)))
+    operand = (batch + mask.shape[-2:], slice_strides + (0, 0))
+    try:
+        return broadcast_layout(*qkv_strides, extras=tuple(extras) + (operand,))
+    except ValueError as exc:
+        raise ValueError(f"{exc}; with block_mask of shape {mask.shape}, whose leading dims must merge too") from None
+
+
+# The float32 backward kernels walk the other operand 32 rows at a time (one per lane); their
+# _config variants name only the tile they own, so this is the other side's size.
+_LANE_TILE = 32
+
+
+def _tile_shape(variant) -> Tuple[int, int]:
+    """(queries, keys) per tile of a launch: what its lists are counted in."""
+    return getattr(variant, "block_rows", _LANE_TILE), getattr(variant, "block_cols", _LANE_TILE)
+
+
+def _sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, window):
+    """The FwdParams fields after scale_log2 for one launch of ``variant``.
+
+    transpose: the launch walks key tiles (the backward's key passes). Without a mask the
+    lists are null (a dense launch, the window still applies). The lists come from the mask's
+    per-device cache: after the first call with these sizes, no conversion and no copy.
+    """
+    if mask is None:
+        return (*(window or NO_WINDOW), *_DENSE_TILES)
+    tile_rows, tile_cols = _tile_shape(variant)
+    tiles = mask.device_tile_lists(nq, nk, tile_rows, tile_cols, transpose=transpose, causal=causal, window=window)
+    return (
+        *(window or NO_WINDOW),
+        tiles.counts.data.ptr, tiles.lists.data.ptr, tiles.blocks.data.ptr, tiles.n_outer, tiles.list_stride,
+        *mask.block_size, *mask.shape[-2:], *mask_strides,
+    )
 
 
 def _launch(variant, grid_x, num_batch, args, d, dv):
@@ -222,7 +361,8 @@ def _launch(variant, grid_x, num_batch, args, d, dv):
     kernel((grid_x, grid_y, -(-num_batch // grid_y)), (variant.threads,), args, shared_mem=smem)
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
+def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
+              window=None) -> AttentionOutput:
     """Exact scaled dot-product attention, computed tile by tile (FlashAttention).
 
     Args:
@@ -249,6 +389,20 @@ def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
 
             A row with no allowed key gets o = 0, l = 0, m = -inf.
         scale: multiplies q k^T; defaults to 1 / sqrt(d). Must be finite and positive.
+        block_mask: block-sparse attention (the paper's Algorithm 5). A
+            :class:`cuflash.masks.BlockMask` of shape (..., Tq, Tk) with block size (bq, bk),
+            or a boolean array of that shape (NumPy or CuPy; True = block present) together
+            with ``block_size``. Key j is masked for query i unless block
+            (i // bq, j // bk) is present; the grid must be exactly
+            (ceil(Nq / bq), ceil(Nk / bk)), and the leading dims broadcast to the output's
+            (per head: Hq of them, after grouping). Absent tiles are skipped, not computed.
+            Build a BlockMask once and reuse it: its per-tile lists and their GPU copies are
+            cached on it (equal boolean arrays share one cached conversion too).
+        block_size: with a boolean block_mask, an int or (bq, bk); default 128.
+        window: (left, right) sliding window, bottom-right aligned like causal: query i sees
+            key j iff i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right; -1 leaves a side
+            unbounded, so (-1, 0) is causal and (w, 0) causal with w keys of look-back.
+            Combines with ``causal`` and ``block_mask`` (a key must pass all three).
 
     Returns:
         AttentionOutput(o, l, m) of CuPy arrays: o (..., Nq, dv) in q's dtype, l and m
@@ -259,6 +413,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
         >>> q = cupy.random.randn(2, 8, 1024, 64, dtype=cupy.float32).astype(cupy.float16)
         >>> o, l, m = cuflash.attention(q, q, q, causal=True)
         >>> lse = m + cupy.log(l)
+        >>> mask = cuflash.masks.butterfly(8)   # 8 x 8 blocks of 128 x 128
+        >>> o, l, m = cuflash.attention(q, q, q, block_mask=mask, window=(256, 0))
     """
     import cupy
 
@@ -270,8 +426,12 @@ def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
                          f"k {k.device.id}, v {v.device.id}")
     nq, nk, d, dv = check_head_dims(q.shape, k.shape, v.shape)
     strides = {name: _element_strides(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
-    layout = broadcast_layout(q.shape, strides["q"], k.shape, strides["k"], v.shape, strides["v"])
+    qkv_strides = (q.shape, strides["q"], k.shape, strides["k"], v.shape, strides["v"])
+    layout = broadcast_layout(*qkv_strides)
     scale = _resolve_scale(scale, d)
+    mask, window = check_sparsity(block_mask, block_size, window, nq, nk, layout.out_lead_shape)
+    if mask is not None:
+        layout = _layout_with_mask(qkv_strides, (), mask)
 
     with q.device:
         o = cupy.empty(layout.out_lead_shape + (nq, dv), dtype=q.dtype)
@@ -283,9 +443,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None) -> AttentionOutput:
         if dtype != "float32":
             for name, x in (("q", q), ("k", k), ("v", v)):
                 _check_vector_alignment(x, name, strides[name])
-        variant = _config.forward_config(dtype, d, dv, causal)
+        variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None)
         row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
-        params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale)
+        mask_strides = layout.extra_strides[-1] if mask is not None else ()
+        sparsity = _sparsity_fields(mask, mask_strides, nq, nk, variant, transpose=False, causal=causal, window=window)
+        params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale, sparsity)
         _launch(variant, -(-nq // variant.block_rows), num_batch, (params,), d, dv)
     return AttentionOutput(o, l, m)
 
@@ -323,14 +485,15 @@ def _reduce_to(grad, out_lead, shape, group):
 
 
 def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None,
-                       deterministic: bool = False) -> AttentionGradients:
+                       deterministic: bool = False, block_mask=None, block_size=None,
+                       window=None) -> AttentionGradients:
     """Gradients of :func:`attention`, recomputing S and P tile by tile (no N x N buffer).
 
     Args:
         do: (..., Nq, dv) gradient of the loss with respect to o; o's shape, q's dtype.
         q, k, v: the forward's inputs (same shapes, strides, broadcasting and grouped heads).
         o, l, m: what :func:`attention` returned for them (l, m float32, C-contiguous).
-        causal, scale: as given to the forward.
+        causal, scale, block_mask, block_size, window: as given to the forward.
         deterministic: bit-identical gradients across runs. The default accumulates dQ with
             float atomics across key tiles; ``True`` computes dQ in a separate pass that
             recomputes S and dP per query tile (two more matmuls, no atomics). float32 is
@@ -365,7 +528,8 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
     for name, x in (("do", do), ("o", o)):
         if tuple(x.shape) != out_shape:
             raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(x.shape)}")
-    layout = broadcast_layout(*qkv_strides, extras=((do.shape, strides["do"]), (o.shape, strides["o"])))
+    mask, window = check_sparsity(block_mask, block_size, window, nq, nk, out_shape[:-2])
+    layout = _layout_with_mask(qkv_strides, ((do.shape, strides["do"]), (o.shape, strides["o"])), mask)
     for name, x in (("l", l), ("m", m)):
         if tuple(x.shape) != out_shape[:-1] or x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(
@@ -382,7 +546,8 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         if dtype != "float32":
             for name, x in arrays.items():
                 _check_vector_alignment(x, name, strides[name])
-        plan = _config.backward_plan(dtype, d, dv, causal, deterministic)
+        plan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
+                                     hopper=_config.is_hopper(q.device.compute_capability))
         nq_pad = -(-nq // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
         lse2 = cupy.empty((num_batch, nq_pad), cupy.float32)
         delta = cupy.empty((num_batch, nq_pad), cupy.float32)
@@ -396,20 +561,30 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         dv_acc = cupy.empty(layout.out_lead_shape + (nk, dv), kv_dtype)
 
         row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
-        params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale)
-        do_lead, o_lead = layout.extra_strides
+        do_lead, o_lead = layout.extra_strides[:2]
+        mask_strides = layout.extra_strides[-1] if mask is not None else ()
+
+        def params_for(variant, transpose=False):
+            """FwdParams with the lists of this launch's own tiles; the preprocess walks no
+            tiles, so it gets null lists (and the window, unused)."""
+            tiled = mask if variant is not plan.preprocess else None
+            sparsity = _sparsity_fields(tiled, mask_strides, nq, nk, variant,
+                                        transpose=transpose, causal=causal, window=window)
+            return _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale, sparsity)
+
         bparams = np.void(struct.pack(
             _BWD_PARAM_FORMAT,
             do.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, lse2.data.ptr, delta.data.ptr,
             dq_acc.data.ptr, dk_acc.data.ptr, dv_acc.data.ptr, nq_pad,
             *do_lead, *o_lead, strides["do"][-2], strides["o"][-2], int(kv_direct and dtype != "float32"),
         ))
-        args = (params, bparams)
+        args = (params_for(plan.preprocess), bparams)
         _launch(plan.preprocess, nq_pad // plan.preprocess.warps, num_batch, args, d, dv)
-        for variant in plan.key_passes:
+        for variant in plan.key_passes:  # one CTA per key tile: the transposed lists
+            args = (params_for(variant, transpose=True), bparams)
             _launch(variant, -(-nk // variant.block_cols), num_batch, args, d, dv)
-        if plan.dq is not None:
-            _launch(plan.dq, -(-nq // plan.dq.block_rows), num_batch, args, d, dv)
+        if plan.dq is not None:  # one CTA per query tile
+            _launch(plan.dq, -(-nq // plan.dq.block_rows), num_batch, (params_for(plan.dq), bparams), d, dv)
 
         out_lead = layout.out_lead_shape
         dq = _reduce_to(dq_acc, out_lead, q.shape, 1).astype(q.dtype)

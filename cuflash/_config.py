@@ -25,6 +25,11 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 SMEM_PAD = 8  # elements of padding per shared-memory row (kSmemPad in flash_fwd.cu)
 
 _TYPE_TAG = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
+_SPARSE_TAG = {False: "", True: "_sparse"}
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
 
 
 class _Launch:
@@ -57,6 +62,7 @@ class TensorCoreForward(_Launch):
     min_blocks: int  # CTAs per SM promised to the register allocator (__launch_bounds__)
     causal: bool
     qk_unroll: int = 2  # unroll of the QK^T k-loop when a warp holds several row tiles
+    sparse: bool = False  # walks block-sparse tile lists (FwdParams::tile_lists)
 
     source = "flash_fwd.cu"
 
@@ -72,14 +78,14 @@ class TensorCoreForward(_Launch):
         return (
             f"cuflash::flash_fwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, "
             f"{self.head_dim_v}, {self.block_rows}, {self.block_cols}, {self.warps}, "
-            f"{self.min_blocks}, {'true' if self.causal else 'false'}, {self.qk_unroll}>"
+            f"{self.min_blocks}, {'true' if self.causal else 'false'}, {self.qk_unroll}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
         return (
             f"fwd_{self.dtype}_u{self.qk_unroll}_hd{self.head_dim}_hdv{self.head_dim_v}_br{self.block_rows}"
-            f"_bc{self.block_cols}_w{self.warps}_mb{self.min_blocks}_causal_{str(self.causal).lower()}"
+            f"_bc{self.block_cols}_w{self.warps}_mb{self.min_blocks}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
 
 
@@ -91,6 +97,7 @@ class Float32Forward(_Launch):
     causal: bool
     warps: int = 4
     rows_per_warp: int = 8
+    sparse: bool = False
 
     source = "flash_fwd_f32.cu"
     dtype = "float32"
@@ -108,12 +115,12 @@ class Float32Forward(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_fwd_f32_kernel<{self.value_tiles}, {self.warps}, "
-            f"{self.rows_per_warp}, {'true' if self.causal else 'false'}>"
+            f"{self.rows_per_warp}, {'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
-        return f"fwd_float32_dvt{self.value_tiles}_causal_{str(self.causal).lower()}"
+        return f"fwd_float32_dvt{self.value_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
 
 
 # (block_rows, block_cols, warps, min_blocks) per head-dim bucket for the 16-bit forward.
@@ -131,31 +138,32 @@ _TC_FORWARD_TILES = {
 }
 
 
-def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None):
+def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
-    (used by tuning runs).
+    (used by tuning runs). ``sparse``: the launch walks block-sparse tile lists.
     """
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.
         rows_per_warp = 8 if value_tiles <= 2 else 4 if value_tiles <= 4 else 2
-        return Float32Forward(value_tiles, bool(causal), rows_per_warp=rows_per_warp)
+        return Float32Forward(value_tiles, bool(causal), rows_per_warp=rows_per_warp, sparse=bool(sparse))
     hd = head_dim_bucket(max(d, dv))  # one bucket for both keeps the variant count small
     br, bc, warps, mb, *unroll = tiles or _TC_FORWARD_TILES[hd]
-    return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal), *unroll)
+    return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal), *unroll, sparse=bool(sparse))
 
 
 def all_forward_variants():
     """Every variant the dispatcher can pick (what the offline compile check builds)."""
     variants = []
-    for causal in (False, True):
-        for dtype in ("float16", "bfloat16"):
-            for hd in HEAD_DIM_BUCKETS:
-                variants.append(forward_config(dtype, hd, hd, causal))
-        for dvt in range(1, MAX_HEAD_DIM // 32 + 1):
-            variants.append(forward_config("float32", 32 * dvt, 32 * dvt, causal))
+    for sparse in (False, True):
+        for causal in (False, True):
+            for dtype in ("float16", "bfloat16"):
+                for hd in HEAD_DIM_BUCKETS:
+                    variants.append(forward_config(dtype, hd, hd, causal, sparse=sparse))
+            for dvt in range(1, MAX_HEAD_DIM // 32 + 1):
+                variants.append(forward_config("float32", 32 * dvt, 32 * dvt, causal, sparse=sparse))
     return variants
 
 
@@ -206,26 +214,37 @@ class BackwardPreprocess(_Launch):
 
 @dataclasses.dataclass(frozen=True)
 class TensorCoreBackward(_Launch):
-    """dK, dV (and atomic dQ) for float16/bfloat16 (``flash_bwd_kernel``), one CTA per key tile."""
+    """dK, dV (and atomic dQ) for float16/bfloat16 (``flash_bwd_kernel``), one CTA per key tile.
+
+    Each of the kernel's matmuls spreads the warps over its output tile in two dimensions:
+    ``warps_s_rows`` along the queries of S / dP, ``warps_kv_rows`` along the keys of dK / dV,
+    ``warps_dq_rows`` along the queries of dQ (the rest of the warps along the other side).
+    """
 
     dtype: str
     head_dim: int
     head_dim_v: int
     block_rows: int  # BR: queries per tile walked
-    block_cols: int  # BC: keys per CTA, 16 per warp
+    block_cols: int  # BC: keys per CTA
     warps: int
     min_blocks: int
     causal: bool
     do_dk: bool
     do_dv: bool
     atomic_dq: bool
+    warps_s_rows: int = 2
+    warps_kv_rows: int = 4
+    warps_dq_rows: int = 2
+    k_unroll_s: int = 1  # unroll of the k-loops of S and dP
+    k_unroll_o: int = 1  # ... and of dV, dK and dQ
+    sparse: bool = False
 
     source = "flash_bwd.cu"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
         br, bc = self.block_rows, self.block_cols
-        elems = bc * k_pitch + bc * v_pitch + 2 * br * k_pitch + 2 * br * v_pitch + bc * (br + SMEM_PAD)
+        elems = bc * k_pitch + bc * v_pitch + 2 * br * k_pitch + 2 * br * v_pitch + 2 * br * (bc + SMEM_PAD)
         return 4 * 2 * 2 * br + 2 * elems
 
     @property
@@ -233,7 +252,9 @@ class TensorCoreBackward(_Launch):
         flags = ", ".join("true" if f else "false" for f in (self.causal, self.do_dk, self.do_dv, self.atomic_dq))
         return (
             f"cuflash::flash_bwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
-            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, {flags}>"
+            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, {flags}, "
+            f"{self.warps_s_rows}, {self.warps_kv_rows}, {self.warps_dq_rows}, {self.k_unroll_s}, {self.k_unroll_o}, "
+            f"{_flag(self.sparse)}>"
         )
 
     @property
@@ -241,7 +262,8 @@ class TensorCoreBackward(_Launch):
         parts = [n for n, f in (("dk", self.do_dk), ("dv", self.do_dv), ("atomic_dq", self.atomic_dq)) if f]
         return (
             f"bwd_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
-            f"_{'_'.join(parts)}_causal_{str(self.causal).lower()}"
+            f"_l{self.warps_s_rows}{self.warps_kv_rows}{self.warps_dq_rows}_u{self.k_unroll_s}{self.k_unroll_o}"
+            f"_{'_'.join(parts)}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
 
 
@@ -257,6 +279,7 @@ class TensorCoreBackwardDq(_Launch):
     warps: int
     min_blocks: int
     causal: bool
+    sparse: bool = False
 
     source = "flash_bwd.cu"
 
@@ -270,14 +293,14 @@ class TensorCoreBackwardDq(_Launch):
         return (
             f"cuflash::flash_bwd_dq_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
             f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, "
-            f"{'true' if self.causal else 'false'}>"
+            f"{'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
         return (
             f"bwd_dq_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}"
-            f"_w{self.warps}_causal_{str(self.causal).lower()}"
+            f"_w{self.warps}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
 
 
@@ -289,9 +312,11 @@ class Float32BackwardDkDv(_Launch):
     causal: bool
     warps: int = 4
     keys_per_warp: int = 4
+    sparse: bool = False
 
     source = "flash_bwd_f32.cu"
     dtype = "float32"
+    block_rows = 32  # queries per tile walked: one per lane
 
     @property
     def block_cols(self) -> int:
@@ -305,12 +330,12 @@ class Float32BackwardDkDv(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_bwd_dkdv_f32_kernel<{self.dim_tiles}, {self.dim_tiles}, {self.warps}, "
-            f"{self.keys_per_warp}, {'true' if self.causal else 'false'}>"
+            f"{self.keys_per_warp}, {'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
-        return f"bwd_dkdv_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}"
+        return f"bwd_dkdv_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +346,11 @@ class Float32BackwardDq(_Launch):
     causal: bool
     warps: int = 4
     rows_per_warp: int = 8
+    sparse: bool = False
 
     source = "flash_bwd_f32.cu"
     dtype = "float32"
+    block_cols = 32  # keys per tile walked: one per lane
 
     @property
     def block_rows(self) -> int:
@@ -337,26 +364,32 @@ class Float32BackwardDq(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_bwd_dq_f32_kernel<{self.dim_tiles}, {self.warps}, {self.rows_per_warp}, "
-            f"{'true' if self.causal else 'false'}>"
+            f"{'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
-        return f"bwd_dq_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}"
+        return f"bwd_dq_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
 
 
-# (query rows per tile, keys per CTA, warps, min_blocks) of flash_bwd_kernel per bucket.
-# Every warp keeps 16 rows of dK and dV (head_dim / 8 * 4 fp32 registers each); above 128
-# the two are computed in separate passes.
+# (query rows per tile, keys per CTA, warps, min_blocks, warps along S's queries, along dK/dV's
+# keys, along dQ's queries) of flash_bwd_kernel per bucket. Per thread, dK and dV cost
+# block_cols * head_dim / (32 * warps) fp32 registers each; above 128 the two are computed in
+# separate passes, so only one of them is live.
 _TC_BACKWARD_TILES = {
-    32: (64, 128, 8, 1),
-    64: (64, 128, 8, 1),
-    96: (32, 128, 8, 1),  # 64-query tiles spill 40-112 bytes at 96 and 128
-    128: (32, 128, 8, 1),
-    160: (32, 128, 8, 1),
-    192: (32, 128, 8, 1),
-    224: (16, 128, 8, 1),
-    256: (16, 128, 8, 1),
+    32: (128, 128, 8, 1, 4, 8, 4),
+    64: (64, 128, 8, 1, 2, 4, 2),
+    96: (64, 128, 8, 1, 2, 4, 4),
+    128: (64, 128, 8, 1, 2, 4, 2),
+    160: (64, 64, 8, 1, 2, 4, 4),
+    192: (64, 64, 8, 1, 2, 4, 4),
+    256: (32, 64, 8, 1, 2, 4, 2),  # 224 runs as 256: 224 = 14 x 16 splits over 2 or 7 warps only
+}
+# Before Hopper a CTA gets at most 163 KB of shared memory (A100), and sm_80's register
+# allocation spills the 128 x 128 dK/dV tiles: smaller key tiles there.
+_TC_BACKWARD_TILES_PRE_HOPPER = {
+    128: (64, 64, 8, 1, 2, 4, 2),
+    192: (32, 64, 8, 1, 2, 4, 2),
 }
 # (query rows per CTA, keys per tile, warps, min_blocks) of the deterministic dQ kernel.
 _TC_BACKWARD_DQ_TILES = {
@@ -379,8 +412,11 @@ class BackwardPlan(typing.NamedTuple):
     atomic_dq: bool
 
 
-def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool) -> BackwardPlan:
-    causal = bool(causal)
+def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *,
+                  hopper: bool = True, sparse: bool = False) -> BackwardPlan:
+    """The kernels one backward launches; ``hopper``: the GPU has compute capability >= 9.0;
+    ``sparse``: they walk block-sparse tile lists."""
+    causal, sparse = bool(causal), bool(sparse)
     pre = BackwardPreprocess(dtype)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)
@@ -388,22 +424,25 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
         rows_per_warp = 8 if dim_tiles <= 2 else 4 if dim_tiles <= 4 else 2
         return BackwardPlan(
             pre,
-            (Float32BackwardDkDv(dim_tiles, causal, keys_per_warp=keys_per_warp),),
-            Float32BackwardDq(dim_tiles, causal, rows_per_warp=rows_per_warp),
+            (Float32BackwardDkDv(dim_tiles, causal, keys_per_warp=keys_per_warp, sparse=sparse),),
+            Float32BackwardDq(dim_tiles, causal, rows_per_warp=rows_per_warp, sparse=sparse),
             False,
         )
     hd = head_dim_bucket(max(d, dv))
+    hd_keys = hd if hd in _TC_BACKWARD_TILES else head_dim_bucket(hd + 1)
     atomic = not deterministic
-    br, bc, warps, mb = _TC_BACKWARD_TILES[hd]
+    tiles = _TC_BACKWARD_TILES if hopper else {**_TC_BACKWARD_TILES, **_TC_BACKWARD_TILES_PRE_HOPPER}
+    br, bc, warps, mb, *layout = tiles[hd_keys]
 
     def key_pass(do_dk, do_dv, atomic_dq):
-        return TensorCoreBackward(dtype, hd, hd, br, bc, warps, mb, causal, do_dk, do_dv, atomic_dq)
+        return TensorCoreBackward(dtype, hd_keys, hd_keys, br, bc, warps, mb, causal, do_dk, do_dv, atomic_dq,
+                                  *layout, sparse=sparse)
 
     if hd <= SPLIT_BACKWARD_ABOVE:
         passes = (key_pass(True, True, atomic),)
     else:
         passes = (key_pass(False, True, atomic), key_pass(True, False, False))
-    dq = None if atomic else TensorCoreBackwardDq(dtype, hd, hd, *_TC_BACKWARD_DQ_TILES[hd], causal)
+    dq = None if atomic else TensorCoreBackwardDq(dtype, hd, hd, *_TC_BACKWARD_DQ_TILES[hd], causal, sparse)
     return BackwardPlan(pre, passes, dq, atomic)
 
 
@@ -412,19 +451,25 @@ def backward_tiles_override(tiles_by_bucket):
     return _table_override(_TC_BACKWARD_TILES, tiles_by_bucket)
 
 
-def all_backward_variants():
+def all_backward_variants(hopper: bool = True):
     variants = {}
     for causal in (False, True):
         for dtype in SUPPORTED_DTYPES:
             for dim in (HEAD_DIM_BUCKETS if dtype != "float32" else range(32, MAX_HEAD_DIM + 1, 32)):
                 for deterministic in (False, True):
-                    plan = backward_plan(dtype, dim, dim, causal, deterministic)
-                    for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
-                        if kernel is not None:
-                            variants[kernel.key] = kernel
+                    for sparse in (False, True):
+                        plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper, sparse=sparse)
+                        for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
+                            if kernel is not None:
+                                variants[kernel.key] = kernel
     return list(variants.values())
 
 
-def all_variants():
-    """Every kernel variant the dispatcher can launch, forward and backward."""
-    return all_forward_variants() + all_backward_variants()
+def all_variants(hopper: bool = True):
+    """Every kernel variant the dispatcher can launch on a GPU of that kind, forward and backward."""
+    return all_forward_variants() + all_backward_variants(hopper)
+
+
+def is_hopper(arch: str) -> bool:
+    """'sm_90a' / '90' (compute capability) -> True; 'sm_80' / '86' -> False."""
+    return int("".join(c for c in arch if c.isdigit())) >= 90

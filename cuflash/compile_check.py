@@ -1,11 +1,13 @@
 """Compile every kernel variant the dispatcher can pick, for sm_80 and sm_90a, without a GPU.
 
-    python -m cuflash.compile_check [--arch sm_80 sm_90a] [--allow-spills]
+    python -m cuflash.compile_check [--arch sm_80 sm_90a] [--spill-budget BYTES]
     python -m cuflash.compile_check --warm [--jobs N]
 
 Prints registers, stack frame and spills per variant and architecture; exits non-zero on a
-compile error or (unless --allow-spills) on any spill, since every listed variant is one the
-dispatcher runs.
+compile error or on a variant that spills more than SPILL_BUDGET_BYTES (stores), since every
+listed variant is one the dispatcher runs. The budget is not zero since the sliding-window band
+went into every kernel: the register-bound 16-bit forwards (two 16-row tiles a warp) now spill
+8-32 bytes around the mask; bench/NOTES.md tracks it.
 
 --warm compiles every variant for the GPU at hand, in parallel processes, into CuPy's disk
 cache, so that first calls (and test runs on a fresh machine) find them built.
@@ -23,6 +25,7 @@ import sys
 from . import _config, _loader
 
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
+SPILL_BUDGET_BYTES = 48
 
 
 def _compile_chunk(task):
@@ -35,33 +38,43 @@ def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
 
     Variants are compiled in chunks of one source file, spread over ``jobs`` processes.
     """
-    variants = list(variants if variants is not None else _config.all_variants())
-    by_source = collections.defaultdict(list)
-    for variant in variants:
-        by_source[variant.source].append(variant)
-    tasks = [
-        (source, [v.name_expression for v in group[i:i + chunk]], arch)
+    per_arch = {
+        arch: list(variants if variants is not None else _config.all_variants(_config.is_hopper(arch)))
         for arch in archs
-        for source, group in by_source.items()
-        for i in range(0, len(group), chunk)
-    ]
+    }
+    tasks = []
+    for arch, arch_variants in per_arch.items():
+        by_source = collections.defaultdict(list)
+        for variant in arch_variants:
+            by_source[variant.source].append(variant)
+        tasks += [
+            (source, [v.name_expression for v in group[i:i + chunk]], arch)
+            for source, group in by_source.items()
+            for i in range(0, len(group), chunk)
+        ]
     jobs = jobs or os.cpu_count() or 1
     context = multiprocessing.get_context("spawn")  # the caller may hold threads (JAX, torch)
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
         results = list(pool.map(_compile_chunk, tasks))
     by_key = {(arch, expr): report for arch, reports in results for expr, report in reports.items()}
-    return [(v, arch, by_key[(arch, v.name_expression)]) for arch in archs for v in variants]
+    return [(v, arch, by_key[(arch, v.name_expression)]) for arch in archs for v in per_arch[arch]]
+
+
+def _current_variants():
+    import cupy
+
+    return _config.all_variants(_config.is_hopper(cupy.cuda.Device().compute_capability))
 
 
 def _warm_one(index):
-    variant = _config.all_variants()[index]
+    variant = _current_variants()[index]
     _loader.get_kernel(variant)
     return variant.key
 
 
 def warm(jobs=None):
     """Build every variant for the current GPU into CuPy's disk cache; returns the count."""
-    count = len(_config.all_variants())
+    count = len(_current_variants())
     jobs = jobs or min(16, os.cpu_count() or 1)
     context = multiprocessing.get_context("spawn")  # no CUDA state crosses a fork
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -71,7 +84,8 @@ def warm(jobs=None):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
-    parser.add_argument("--allow-spills", action="store_true")
+    parser.add_argument("--spill-budget", type=int, default=SPILL_BUDGET_BYTES,
+                        help="fail on a variant that spills more bytes than this (stores)")
     parser.add_argument("--warm", action="store_true", help="build for the GPU at hand into the disk cache")
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args(argv)
@@ -91,12 +105,11 @@ def main(argv=None) -> int:
     ]
     print(tabulate(table, headers=("variant", "arch", "regs", "stack B", "spill st B", "spill ld B")))
     spilled = [row for row in table if row[4] or row[5]]
-    print(f"\n{len(table)} variant builds, {len(spilled)} with spills")
-    if spilled and not args.allow_spills:
-        for row in spilled:
-            print(f"SPILL: {row[0]} on {row[1]}", file=sys.stderr)
-        return 1
-    return 0
+    over = [row for row in spilled if row[4] > args.spill_budget]
+    print(f"\n{len(table)} variant builds, {len(spilled)} with spills, {len(over)} over {args.spill_budget} B")
+    for row in spilled:
+        print(f"SPILL: {row[0]} on {row[1]}: {row[4]} B stored, {row[5]} B loaded", file=sys.stderr)
+    return 1 if over else 0
 
 
 if __name__ == "__main__":

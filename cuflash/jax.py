@@ -2,6 +2,7 @@
 
     import cuflash.jax
     o = cuflash.jax.attention(q, k, v, causal=True)     # eager, or inside jax.jit / jax.grad
+    o = cuflash.jax.attention(q, k, v, block_mask=cuflash.masks.butterfly(32), window=(512, 0))
 
 The kernels run inside XLA's own execution through ``jax.experimental.buffer_callback``: the
 callback gets XLA's device buffers and its CUDA stream, reads the inputs in place, runs
@@ -85,71 +86,82 @@ def _launch(ctx, outs, fn, args, kwargs):
     # on this same stream, after the kernels and copies queued above.
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_callback(causal, scale):
-    # Cached: the callback is a parameter of the XLA primitive, one object per configuration
-    # lets JAX reuse traces and compilations.
+# The static options of a call: causal, scale, block_mask (a cuflash.masks.BlockMask or None;
+# hashed by identity, so one mask object is one trace) and window ((left, right) or None).
+# Cached callbacks: the callback is a parameter of the XLA primitive, one object per
+# configuration lets JAX reuse traces and compilations. Bounded, since masks are keys.
+_CALLBACKS_KEPT = 64
+
+
+@functools.lru_cache(maxsize=_CALLBACKS_KEPT)
+def _forward_callback(causal, scale, block_mask, window):
+    options = dict(causal=causal, scale=scale, block_mask=block_mask, window=window)
+
     def callback(ctx, outs, q, k, v):
-        _launch(ctx, outs, _cf.attention, (q, k, v), dict(causal=causal, scale=scale))
+        _launch(ctx, outs, _cf.attention, (q, k, v), options)
 
     return callback
 
 
-@functools.lru_cache(maxsize=None)
-def _backward_callback(causal, scale, deterministic):
+@functools.lru_cache(maxsize=_CALLBACKS_KEPT)
+def _backward_callback(causal, scale, block_mask, window, deterministic):
+    options = dict(causal=causal, scale=scale, block_mask=block_mask, window=window, deterministic=deterministic)
+
     def callback(ctx, outs, do, q, k, v, o, l, m):
-        _launch(ctx, outs, _cf.attention_backward, (do, q, k, v, o, l, m),
-                dict(causal=causal, scale=scale, deterministic=deterministic))
+        _launch(ctx, outs, _cf.attention_backward, (do, q, k, v, o, l, m), options)
 
     return callback
 
 
-def _check(q, k, v, scale):
+def _check(q, k, v, scale, block_mask, window):
     """Trace-time validation: errors surface at the call site, not inside XLA's callback."""
     _api.check_dtypes(q.dtype, k.dtype, v.dtype)
     _api.check_head_dims(q.shape, k.shape, v.shape)
     _api._resolve_scale(scale, q.shape[-1])
-    return reference.broadcast_plan(q.shape, k.shape, v.shape).batch_shape
+    lead = reference.broadcast_plan(q.shape, k.shape, v.shape).batch_shape
+    _api.check_sparsity(block_mask, None, window, q.shape[-2], k.shape[-2], lead)
+    return lead
 
 
-def _forward(q, k, v, causal, scale):
-    lead = _check(q, k, v, scale)
+def _forward(q, k, v, options):
+    lead = _check(q, k, v, *options[1:])
     nq, dv = q.shape[-2], v.shape[-1]
     stats = jax.ShapeDtypeStruct(lead + (nq,), np.float32)
     shapes = (jax.ShapeDtypeStruct(lead + (nq, dv), q.dtype), stats, stats)
     # expand_dims: cuflash broadcasts the size-1 leading dim of unbatched operands itself.
-    call = buffer_callback(_forward_callback(causal, scale), shapes, vmap_method="expand_dims")
+    call = buffer_callback(_forward_callback(*options), shapes, vmap_method="expand_dims")
     return call(q, k, v)
 
 
-def _backward(do, q, k, v, o, l, m, causal, scale, deterministic):
+def _backward(do, q, k, v, o, l, m, options, deterministic):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     # broadcast_all, not expand_dims: a batched gradient of an unbatched input must stay
     # per-example, whereas cuflash would sum it over a size-1 broadcast dim.
-    callback = _backward_callback(causal, scale, deterministic)
+    callback = _backward_callback(*options, deterministic)
     call = buffer_callback(callback, shapes, vmap_method="broadcast_all")
     return call(do, q, k, v, o, l, m)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, scale, deterministic):
-    return _forward(q, k, v, causal, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q, k, v, options, deterministic):
+    return _forward(q, k, v, options)[0]
 
 
-def _attention_fwd(q, k, v, causal, scale, deterministic):
-    o, l, m = _forward(q, k, v, causal, scale)
+def _attention_fwd(q, k, v, options, deterministic):
+    o, l, m = _forward(q, k, v, options)
     return o, (q, k, v, o, l, m)
 
 
-def _attention_bwd(causal, scale, deterministic, residuals, do):
-    return _backward(do, *residuals, causal, scale, deterministic)
+def _attention_bwd(options, deterministic, residuals, do):
+    return _backward(do, *residuals, options, deterministic)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=(3, 4, 5))
+_attention_jit = jax.jit(_attention, static_argnums=(3, 4))
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool = False):
+def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool = False,
+              block_mask=None, block_size=None, window=None):
     """Exact scaled dot-product attention (FlashAttention) on JAX arrays, differentiable.
 
     Args:
@@ -161,9 +173,16 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
         scale: multiplies q k^T; defaults to 1 / sqrt(d).
         deterministic: make the gradients bit-identical from run to run (the default
             backward accumulates dq with float atomics).
+        block_mask, block_size, window: block-sparse and sliding-window attention, as in
+            :func:`cuflash.attention`: a :class:`cuflash.masks.BlockMask`, or a concrete
+            boolean array (..., Tq, Tk) (NumPy, or a JAX array outside jit) with
+            ``block_size``; ``window=(left, right)``. They are static: each mask object is
+            one trace (equal boolean arrays share one BlockMask, hence one trace).
 
     Returns:
         o, (..., Nq, dv) in q's dtype. Works eagerly and under jax.jit, jax.grad, jax.vmap.
     """
     scale = None if scale is None else float(scale)
-    return _attention_jit(q, k, v, bool(causal), scale, bool(deterministic))
+    mask = _api.as_block_mask(block_mask, block_size)
+    options = (bool(causal), scale, mask, _api.window_option(window))
+    return _attention_jit(q, k, v, options, bool(deterministic))

@@ -21,7 +21,10 @@ covers only ``nq - (Tq - 1) * bq`` rows (or ``nk - (Tk - 1) * bk`` keys).
 A :class:`BlockMask` is built once and reused.  It stores, like PyTorch
 FlexAttention's BlockMask, compact per-query-block lists for the forward
 pass (``kv_num_blocks``, ``kv_indices``) and the transposed per-key-block
-lists for the backward pass (``q_num_blocks``, ``q_indices``).
+lists for the backward pass (``q_num_blocks``, ``q_indices``).  The kernels
+work in tiles of their own size, which need not be the mask's block size:
+:meth:`BlockMask.tile_lists` translates the mask into per-tile lists for one
+kernel launch, and caches them (and their GPU copies) on the mask.
 
 Patterns (each returns a BlockMask; combine them with ``|`` and ``&``):
 :func:`butterfly`, :func:`fixed`, :func:`strided`, :func:`local`,
@@ -32,17 +35,21 @@ token-exact sliding window: :func:`sliding_window` (element mask) with
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import os
 import struct
+import weakref
 import zlib
-from typing import Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 __all__ = [
     "BlockMask",
+    "TileLists",
+    "PARTIAL_TILE",
     "butterfly",
     "fixed",
     "strided",
@@ -99,6 +106,17 @@ def _check_window_side(value, name: str) -> int:
     return _as_int(value, name, -1)
 
 
+def _window_pair(window) -> Optional[Tuple[int, int]]:
+    """None, or window = (left, right) with each side an int >= 0 or -1 (unbounded)."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a (left, right) pair, got {window!r}") from None
+    return _check_window_side(left, "window left"), _check_window_side(right, "window right")
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -135,6 +153,127 @@ def _read_only(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x)
     x.setflags(write=False)
     return x
+
+
+# --------------------------------------------------------------------------
+# Per-tile lists for the kernels
+# --------------------------------------------------------------------------
+
+# Flag bit of a tile-list entry whose tile straddles present and absent blocks: the kernel must
+# then look the block of every element up.  Must equal kPartialTile in kernels/common.cuh
+# (tests/test_masks.py reads the header to check).
+PARTIAL_TILE = 1 << 30
+
+
+class TileLists(NamedTuple):
+    """The block mask as one kernel launch reads it (see :meth:`BlockMask.tile_lists`).
+
+    counts: int32 (mask_batch, n_outer): how many inner tiles each outer tile visits.
+    lists: int32 (mask_batch, n_outer, list_stride): those inner tiles, ascending; an entry
+        is the tile's index, OR'ed with :data:`PARTIAL_TILE` when the tile needs the
+        element-wise block lookup.  Entries past the count repeat the last one (0 for an
+        empty list), so a kernel may prefetch one entry past the end.
+    blocks: uint8 (mask_batch, Tq, Tk): the block mask itself (1 = present), for that lookup.
+
+    ``mask_batch`` is the product of the mask's leading dims, flattened C-order.  NumPy
+    arrays from :meth:`BlockMask.tile_lists`, CuPy arrays from
+    :meth:`BlockMask.device_tile_lists`; all C-contiguous and meant to be read only.
+    """
+
+    counts: Any
+    lists: Any
+    blocks: Any
+
+    @property
+    def n_outer(self) -> int:
+        return self.counts.shape[1]
+
+    @property
+    def list_stride(self) -> int:
+        return self.lists.shape[2]
+
+
+def _tile_spans(n: int, tile: int, block: int):
+    """Tiles of ``tile`` elements over [0, n): first and last element, first and last block."""
+    first = np.arange(0, n, tile, dtype=np.int64)
+    last = np.minimum(first + tile, n) - 1
+    return first, last, first // block, last // block
+
+
+def _range_sums(x: np.ndarray, first: np.ndarray, last: np.ndarray, axis: int) -> np.ndarray:
+    """Sums of x over the index ranges [first[t], last[t]] along axis (t replaces that axis)."""
+    zero = np.zeros(x.shape[:axis] + (1,) + x.shape[axis + 1 :], dtype=np.int32)
+    prefix = np.concatenate([zero, np.cumsum(x, axis=axis, dtype=np.int32)], axis=axis)
+    return np.take(prefix, last + 1, axis=axis) - np.take(prefix, first, axis=axis)
+
+
+def _band_tiles(rows, cols, nq: int, nk: int, causal: bool, window) -> np.ndarray:
+    """(row tiles, col tiles) bool: which tiles hold at least one key the causal mask and the
+    window allow.  rows / cols are the (first, last) element spans of the tiles.
+
+    Both masks bound the diagonal offset j - i: the window to [shift - left, shift + right],
+    causal to <= shift (shift = nk - nq).  Over a tile's rectangle of integer points j - i
+    takes every value from c0 - r1 to c1 - r0, so the tile meets the band iff those ranges meet.
+    """
+    (r0, r1), (c0, c1) = rows, cols
+    shift = nk - nq
+    left, right = window if window is not None else (-1, -1)
+    low = None if left < 0 else shift - left
+    high = None if right < 0 else shift + right
+    if causal:
+        high = shift if high is None else min(high, shift)
+    inside = np.ones((len(r0), len(c0)), dtype=bool)
+    if low is not None:
+        inside &= c1[None, :] - r0[:, None] >= low
+    if high is not None:
+        inside &= c0[None, :] - r1[:, None] <= high
+    return inside
+
+
+def _pack_tile_lists(listed: np.ndarray, partial: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(counts, lists) of the listed inner tiles (last axis) of every outer tile, in order."""
+    counts = listed.sum(axis=-1, dtype=np.int32)
+    stride = max(1, int(counts.max(initial=0)))
+    entries = np.arange(listed.shape[-1], dtype=np.int32) | np.where(partial, np.int32(PARTIAL_TILE), np.int32(0))
+    slot = np.cumsum(listed, axis=-1, dtype=np.int32) - 1  # an entry's place in its list
+    lists = np.zeros(listed.shape[:-1] + (stride,), dtype=np.int32)
+    where = np.nonzero(listed)
+    lists[where[:-1] + (slot[where],)] = entries[where]
+    last = np.take_along_axis(lists, np.maximum(counts - 1, 0)[..., None].astype(np.intp), axis=-1)
+    lists = np.where(np.arange(stride) < counts[..., None], lists, last)
+    return counts, lists
+
+
+_MAX_CACHED_LISTS = 32  # per mask; a mask is normally used at a handful of (length, tile) sizes
+
+
+def _remember(cache: dict, key, value):
+    """cache[key] = value, dropping the oldest entry past _MAX_CACHED_LISTS."""
+    if len(cache) >= _MAX_CACHED_LISTS:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
+def _upload(arrays, device_id: int):
+    """CuPy copies of NumPy arrays on a device, complete when this returns.
+
+    The copies live as long as the mask, so they come from CuPy's default pool rather than
+    whatever allocator the current call installed (torch's, under cuflash.torch); the
+    stream is synchronised once so that later launches on any stream see finished copies.
+    """
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+            copies = tuple(cupy.asarray(a) for a in arrays)
+        cupy.cuda.get_current_stream().synchronize()
+    return copies
+
+
+# Every BlockMask gets a process-unique token; masks alive now, by token (see BlockMask.token).
+_tokens = itertools.count(1)
+_live_masks: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
 
 
 # --------------------------------------------------------------------------
@@ -196,9 +335,16 @@ class BlockMask:
     ``max_kv`` and ``max_q`` are at least 1, so the index arrays are never
     empty.  ``a | b`` and ``a & b`` combine two masks with the same block size
     and block grid (leading dimensions broadcast).
+
+    ``token`` is a process-unique int naming the mask; :meth:`from_token`
+    gives the mask back while it is alive.  (cuflash.torch passes masks to its
+    custom operators this way: operator arguments can only be tensors and numbers.)
     """
 
-    __slots__ = ("_present", "_block_size", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices")
+    __slots__ = (
+        "_present", "_block_size", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
+        "token", "_host_lists", "_device_lists", "_device_blocks", "__weakref__",
+    )
 
     def __init__(self, kv_num_blocks, kv_indices, n_k_blocks: int, block_size: BlockSize = DEFAULT_BLOCK_SIZE):
         """Build from compact lists (FlexAttention style).
@@ -245,6 +391,22 @@ class BlockMask:
         self.kv_indices = _read_only(kv_idx)
         self.q_num_blocks = _read_only(q_num)
         self.q_indices = _read_only(q_idx)
+        self._host_lists: dict = {}
+        self._device_lists: dict = {}
+        self._device_blocks: dict = {}  # device id -> the block bytes, shared by all lists
+        self.token = next(_tokens)
+        _live_masks[self.token] = self
+
+    @staticmethod
+    def from_token(token: int) -> "BlockMask":
+        """The live mask whose :attr:`token` this is; LookupError when it has been freed."""
+        mask = _live_masks.get(int(token))
+        if mask is None:
+            raise LookupError(
+                f"no BlockMask with token {token} is alive: it was garbage-collected; keep a "
+                f"reference to the mask until every call that uses it (backward too) has run"
+            )
+        return mask
 
     @classmethod
     def from_dense(cls, blocks, block_size: BlockSize = DEFAULT_BLOCK_SIZE) -> "BlockMask":
@@ -349,6 +511,82 @@ class BlockMask:
         bq, bk = self.block_size
         rows = np.repeat(self._present, bq, axis=-2)[..., :nq, :]
         return np.repeat(rows, bk, axis=-1)[..., :nk]
+
+    # ---- kernel tile lists -----------------------------------------------------
+
+    def tile_lists(
+        self, nq: int, nk: int, tile_rows: int, tile_cols: int, *, transpose: bool = False,
+        causal: bool = False, window=None,
+    ) -> TileLists:
+        """This mask as a kernel launch with tiles of tile_rows queries x tile_cols keys reads it.
+
+        Not transposed, the launch walks query tiles ("outer", tile_rows each) and visits key
+        tiles ("inner"); transposed (the backward's key passes), the other way round.  An
+        (outer, inner) tile pair is listed when the blocks it overlaps inside [0, nq) x [0, nk)
+        include a present one, and flagged :data:`PARTIAL_TILE` when they also include an
+        absent one.  With ``causal`` / ``window`` (as in :func:`sliding_window`), tiles that
+        hold no key those masks allow are left out as well; the kernel still applies both
+        masks element-wise inside the tiles it visits, and the flag ignores them.
+
+        Works on the block grid with prefix sums, never on elements: O(mask_batch x outer x
+        inner) time and memory.  The result is cached on the mask per argument set.
+        Raises ValueError unless the mask fits nq and nk (see :meth:`check`).
+        """
+        key = self._lists_key(nq, nk, tile_rows, tile_cols, transpose, causal, window)
+        cached = self._host_lists.get(key)
+        if cached is None:
+            cached = _remember(self._host_lists, key, self._build_tile_lists(*key))
+        return cached
+
+    def device_tile_lists(
+        self, nq: int, nk: int, tile_rows: int, tile_cols: int, *, transpose: bool = False,
+        causal: bool = False, window=None, device=None,
+    ) -> TileLists:
+        """:meth:`tile_lists` as CuPy arrays on ``device`` (a cupy Device or id; None =
+        the current one), uploaded once and cached on the mask per device.  The host lists
+        they are made from are not kept (unless :meth:`tile_lists` was asked for them)."""
+        import cupy
+
+        device_id = device.id if isinstance(device, cupy.cuda.Device) else cupy.cuda.Device(device).id
+        key = self._lists_key(nq, nk, tile_rows, tile_cols, transpose, causal, window)
+        cached = self._device_lists.get((device_id, key))
+        if cached is None:
+            host = self._host_lists.get(key) or self._build_tile_lists(*key)
+            blocks = self._device_blocks.get(device_id)
+            if blocks is None:
+                (blocks,) = _upload((host.blocks,), device_id)
+                self._device_blocks[device_id] = blocks
+            counts, lists = _upload((host.counts, host.lists), device_id)
+            cached = _remember(self._device_lists, (device_id, key), TileLists(counts, lists, blocks))
+        return cached
+
+    def _lists_key(self, nq, nk, tile_rows, tile_cols, transpose, causal, window):
+        self.check(nq, nk)
+        window = _window_pair(window)
+        return (
+            _as_int(nq, "nq", 0), _as_int(nk, "nk", 0),
+            _as_int(tile_rows, "tile_rows", 1), _as_int(tile_cols, "tile_cols", 1),
+            bool(transpose), bool(causal), None if window == (-1, -1) else window,
+        )
+
+    def _build_tile_lists(self, nq, nk, tile_rows, tile_cols, transpose, causal, window) -> TileLists:
+        (bq, bk), grid = self.block_size, self.shape[-2:]
+        present = self._present.reshape((math.prod(self.batch_shape),) + grid)  # (mask_batch, Tq, Tk)
+        q_first, q_last, qb_first, qb_last = _tile_spans(nq, tile_rows, bq)
+        k_first, k_last, kb_first, kb_last = _tile_spans(nk, tile_cols, bk)
+        # Per query tile and block column: how many of the tile's block rows are present;
+        # then per key tile: does any / does every overlapped block column have one / all.
+        per_column = _range_sums(present, qb_first, qb_last, axis=1)
+        rows_spanned = (qb_last - qb_first + 1)[:, None]
+        any_present = _range_sums(per_column > 0, kb_first, kb_last, axis=2) > 0
+        all_present = _range_sums(per_column == rows_spanned, kb_first, kb_last, axis=2) == kb_last - kb_first + 1
+        listed = any_present & _band_tiles((q_first, q_last), (k_first, k_last), nq, nk, causal, window)
+        partial = listed & ~all_present
+        if transpose:
+            listed, partial = np.swapaxes(listed, 1, 2), np.swapaxes(partial, 1, 2)
+        counts, lists = _pack_tile_lists(listed, partial)
+        blocks = present.astype(np.uint8)
+        return TileLists(_read_only(counts), _read_only(lists), _read_only(blocks))
 
     # ---- combination -----------------------------------------------------------
 

@@ -53,6 +53,8 @@ Functions
 * :func:`block_sparse_forward_tiled` -- block-sparse FlashAttention
   (Algorithm 5): Algorithm 1 that skips the tiles a
   :class:`cuflash.masks.BlockMask` marks absent.
+* :func:`block_sparse_backward_tiled` -- its backward: Algorithm 4 that
+  skips the same tiles.
 * :func:`element_mask` -- the element mask a block mask and a sliding window
   stand for; ``standard_attention(mask=element_mask(...))`` is the oracle of
   block-sparse and windowed attention.
@@ -69,7 +71,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .masks import BlockMask, _check_window_side, sliding_window
+from .masks import BlockMask, _window_pair, sliding_window
 
 __all__ = [
     "ReferenceOutput",
@@ -82,6 +84,7 @@ __all__ = [
     "flash_forward_tiled",
     "flash_backward_tiled",
     "block_sparse_forward_tiled",
+    "block_sparse_backward_tiled",
     "element_mask",
     "round_to",
     "lowp_attention",
@@ -456,10 +459,12 @@ def flash_forward_tiled(
     return ReferenceOutput(o, l, m)
 
 
-def _flash_backward_head(do, q, k, v, o, l, m, allowed, scale, block_rows, block_cols):
+def _flash_backward_head(do, q, k, v, o, l, m, scale, block_rows, block_cols, row_blocks_of, tile_allowed):
     """Algorithm 4 (no dropout) for one head; shapes as in _flash_forward_head.
 
-    The row term D = rowsum(dO * O) is computed once up front, as in
+    row_blocks_of(j) gives the row blocks visited in column j (all of them for Algorithm 4;
+    the present ones for the block-sparse backward) and tile_allowed(rows, cols) the element
+    mask of a tile.  The row term D = rowsum(dO * O) is computed once up front, as in
     FlashAttention-2 (its Algorithm 2, line 4), instead of inside the loop.
     """
     nq, nk = q.shape[0], k.shape[0]
@@ -478,29 +483,44 @@ def _flash_backward_head(do, q, k, v, o, l, m, allowed, scale, block_rows, block
     dq = np.zeros_like(q)
     dk = np.zeros_like(k)
     dv = np.zeros_like(v)
-    for cols in col_blocks:  # Line 6: for 1 <= j <= Tc
+    for j, cols in enumerate(col_blocks):  # Line 6: for 1 <= j <= Tc
+        visited = row_blocks_of(j)
+        if len(visited) == 0:
+            continue  # no tile in this column: dK_j = dV_j = 0 without loading K_j, V_j
         k_j, v_j = k[cols], v[cols]  # Line 7: load K_j, V_j.
         dk_j = np.zeros_like(k_j)  # Line 8: dK~_j = 0, dV~_j = 0 in SRAM.
         dv_j = np.zeros_like(v_j)
-        for rows in row_blocks:  # Line 9: for 1 <= i <= Tr
+        for i in visited:  # Line 9: for 1 <= i <= Tr (block-sparse: if M_ij != 0)
+            rows = row_blocks[i]
             # Line 10: load Q_i, O_i, dO_i, dQ_i, l_i, m_i (O_i enters via D_i).
-            q_i, do_i = q[rows], do[rows]
-            s_ij = scale * (q_i @ k_j.T)  # Line 11: S_ij = tau Q_i K_j^T.
-            s_ij = np.where(allowed[rows, cols], s_ij, -np.inf)  # Line 12: mask.
-            # Line 13: P_ij = diag(l_i)^-1 exp(S_ij - m_i), recomputed from
-            # the saved statistics instead of stored.
-            p_ij = np.exp(s_ij - shift[rows, None]) * inv_l[rows, None]
-            dv_j += p_ij.T @ do_i  # Line 16: dV~_j += P_ij^T dO_i.
-            dp_ij = do_i @ v_j.T  # Line 17: dP_ij = dO_i V_j^T.
-            # Line 19: D_i = rowsum(dO_i * O_i) -- taken from row_dot.
-            ds_ij = p_ij * (dp_ij - row_dot[rows, None])  # Line 20.
-            dq[rows] += scale * (ds_ij @ k_j)  # Line 21: dQ_i += tau dS_ij K_j.
-            dk_j += scale * (ds_ij.T @ q_i)  # Line 22: dK~_j += tau dS_ij^T Q_i.
+            stats_i = (shift[rows], inv_l[rows], row_dot[rows])
+            _backward_tile_step(q[rows], do[rows], k_j, v_j, tile_allowed(rows, cols), stats_i, scale,
+                                dq[rows], dk_j, dv_j)
         # Line 23: end for.  Line 24: write dK_j, dV_j to HBM.
         dk[cols] = dk_j
         dv[cols] = dv_j
     # Line 25: end for.  Line 26: return dQ, dK, dV.
     return dq, dk, dv
+
+
+def _backward_tile_step(q_i, do_i, k_j, v_j, allowed_ij, stats_i, scale, dq_i, dk_j, dv_j):
+    """Lines 11-22 of Algorithm 4 for one tile: add its terms to dq_i, dk_j and dv_j in place.
+
+    stats_i = (shift_i, inv_l_i, D_i): the row max made safe for subtraction, 1 / l (0 for
+    empty rows) and rowsum(dO * O) of the tile's rows.
+    """
+    shift_i, inv_l_i, row_dot_i = stats_i
+    s_ij = scale * (q_i @ k_j.T)  # Line 11: S_ij = tau Q_i K_j^T.
+    s_ij = np.where(allowed_ij, s_ij, -np.inf)  # Line 12: mask.
+    # Line 13: P_ij = diag(l_i)^-1 exp(S_ij - m_i), recomputed from the saved statistics
+    # instead of stored.
+    p_ij = np.exp(s_ij - shift_i[:, None]) * inv_l_i[:, None]
+    dv_j += p_ij.T @ do_i  # Line 16: dV~_j += P_ij^T dO_i.
+    dp_ij = do_i @ v_j.T  # Line 17: dP_ij = dO_i V_j^T.
+    # Line 19: D_i = rowsum(dO_i * O_i) -- taken from row_dot.
+    ds_ij = p_ij * (dp_ij - row_dot_i[:, None])  # Line 20.
+    dq_i += scale * (ds_ij @ k_j)  # Line 21: dQ_i += tau dS_ij K_j.
+    dk_j += scale * (ds_ij.T @ q_i)  # Line 22: dK~_j += tau dS_ij^T Q_i.
 
 
 def flash_backward_tiled(
@@ -525,6 +545,19 @@ def flash_backward_tiled(
     Returns (dq, dk, dv) shaped like q, k, v, equal to
     :func:`standard_attention_backward` up to float64 rounding.
     """
+    def tiling(index, allowed):  # every tile, masked by the head's allowed (Nq, Nk)
+        every_row_block = range(-(-allowed.shape[0] // block_rows))
+        return block_rows, block_cols, (lambda j: every_row_block), (lambda rows, cols: allowed[rows, cols])
+
+    return _backward_per_head(do, q, k, v, o, l, m, causal, scale, mask, tiling)
+
+
+def _backward_per_head(do, q, k, v, o, l, m, causal, scale, mask, tiling):
+    """Broadcast the backward's operands, run _flash_backward_head on every head, sum back.
+
+    tiling(index, allowed) gives head ``index``'s (block_rows, block_cols, row_blocks_of,
+    tile_allowed) for _flash_backward_head; allowed is that head's (Nq, Nk) element mask.
+    """
     q_in, k_in, v_in = np.asarray(q), np.asarray(k), np.asarray(v)
     q_x, k_x, v_x, allowed, scale, plan = _prepare(q_in, k_in, v_in, causal, scale, mask)
     batch_shape = plan.batch_shape
@@ -540,7 +573,7 @@ def flash_backward_tiled(
     for index in np.ndindex(*batch_shape):
         dq_x[index], dk_x[index], dv_x[index] = _flash_backward_head(
             do[index], q_x[index], k_x[index], v_x[index], o[index], l[index], m[index],
-            allowed[index], scale, block_rows, block_cols,
+            scale, *tiling(index, allowed[index]),
         )
     dq = _sum_to_shape(dq_x, q_in.shape)
     dk = _reduce_kv_grad(dk_x, k_in.shape, plan)
@@ -551,17 +584,6 @@ def flash_backward_tiled(
 # --------------------------------------------------------------------------
 # Block-sparse FlashAttention (paper Algorithm 5) and sliding windows
 # --------------------------------------------------------------------------
-
-
-def _window_pair(window) -> Optional[Tuple[int, int]]:
-    """None, or window = (left, right) with each side an int >= 0 or -1 (unbounded)."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a (left, right) pair, got {window!r}") from None
-    return _check_window_side(left, "window left"), _check_window_side(right, "window right")
 
 
 def element_mask(nq: int, nk: int, *, block_mask: Optional[BlockMask] = None, window=None, batch_shape=None) -> np.ndarray:
@@ -723,6 +745,56 @@ def block_sparse_forward_tiled(
             scale, block_mask.block_size, causal, window, visit,
         )
     return ReferenceOutput(o, l, m)
+
+
+def block_sparse_backward_tiled(
+    do,
+    q,
+    k,
+    v,
+    o,
+    l,
+    m,
+    block_mask: BlockMask,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window=None,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block-sparse FlashAttention backward in float64: Algorithm 4 visiting only present tiles.
+
+    The backward of Algorithm 5, as the paper describes it: the loops of Algorithm 4 with
+    line 9 restricted to the present row blocks of column j (the mask's ``q_indices``), so an
+    absent tile costs nothing and a key block with no present tile gets dK = dV = 0 without
+    being loaded.  Inside a present tile ``causal`` and ``window`` mask elements, as in
+    :func:`block_sparse_forward_tiled`.  Arguments as in :func:`flash_backward_tiled` (o, l,
+    m from the block-sparse forward with the same mask) plus block_mask; returns (dq, dk, dv)
+    shaped like q, k, v, equal up to float64 rounding to::
+
+        standard_attention_backward(do, q, k, v, causal=causal, scale=scale,
+                                    mask=element_mask(Nq, Nk, block_mask=block_mask, window=window))
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.masks.BlockMask, got {type(block_mask).__name__}")
+    window = _window_pair(window)
+    batch_shape = broadcast_plan(np.shape(q), np.shape(k), np.shape(v)).batch_shape
+    nq, nk = np.shape(q)[-2], np.shape(k)[-2]
+    block_mask.check(nq, nk, batch_shape=batch_shape)
+    tk = block_mask.shape[-1]
+    q_num_blocks = np.broadcast_to(block_mask.q_num_blocks, batch_shape + (tk,))
+    q_indices = np.broadcast_to(block_mask.q_indices, batch_shape + block_mask.q_indices.shape[-2:])
+    block_rows, block_cols = block_mask.block_size
+
+    def tiling(index, _allowed):  # the present tiles, masked by causal and the window only
+        def row_blocks_of(j):
+            return q_indices[index][j, : q_num_blocks[index][j]]
+
+        def tile_allowed(rows, cols):
+            return _tile_allowed(rows, cols, nk - nq, causal, window)
+
+        return block_rows, block_cols, row_blocks_of, tile_allowed
+
+    return _backward_per_head(do, q, k, v, o, l, m, False, scale, None, tiling)
 
 
 # --------------------------------------------------------------------------

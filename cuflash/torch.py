@@ -2,6 +2,7 @@
 
     import cuflash.torch
     o = cuflash.torch.attention(q, k, v, causal=True)      # q, k, v: (B, H, N, d)
+    o = cuflash.torch.attention(q, k, v, block_mask=cuflash.masks.butterfly(32), window=(512, 0))
 
 Both passes are registered as custom operators (``torch.ops.cuflash.attention_fwd`` and
 ``torch.ops.cuflash.attention_bwd``) with fake (meta) implementations and an autograd
@@ -10,13 +11,16 @@ formula, so they work under ``torch.compile(fullgraph=True)``, ``torch.export`` 
 and allocate their outputs (and any scratch space) through torch's caching allocator.
 """
 
+import collections
+import threading
 from typing import Optional, Tuple
 
 import torch
 
 import cuflash as _cf
 
-from ._api import AttentionOutput
+from ._api import NO_WINDOW, AttentionOutput, as_block_mask, window_option
+from .masks import BlockMask
 
 __all__ = ["attention"]
 
@@ -88,16 +92,59 @@ def _run(device, fn, *tensors, **kwargs):
             return tuple(torch.from_dlpack(r).contiguous() for r in results)
 
 
+# ---- block masks through the operators -----------------------------------------------------
+#
+# Operator arguments can only be tensors and numbers, so a BlockMask travels as its token
+# (BlockMask.token, an int) and the operator looks the mask up again (BlockMask.from_token).
+# Under torch.compile the token is read from the mask object at trace time like any attribute
+# (guarded, and passed to the graph as an int), so the mask's lists are built and copied to the
+# GPU once per mask, not per call, and the graph has no host-device traffic for them. The
+# registry holds masks weakly; the adapter keeps the last few it was given alive, so that a
+# mask made inline (``block_mask=cuflash.masks.butterfly(32)``) survives until its backward.
+# A token means nothing outside this process: a torch.export'ed program that has one baked in
+# runs only where that mask is alive.
+
+_RECENT_MASKS: "collections.OrderedDict[int, BlockMask]" = collections.OrderedDict()
+_RECENT_MASKS_LOCK = threading.Lock()
+_KEEP_RECENT_MASKS = 64
+
+
+def _mask_token(mask: Optional[BlockMask]) -> Optional[int]:
+    if mask is None:
+        return None
+    if not torch.compiler.is_compiling():  # not traced: Dynamo would put this in the graph
+        with _RECENT_MASKS_LOCK:
+            _RECENT_MASKS.pop(mask.token, None)
+            _RECENT_MASKS[mask.token] = mask
+            while len(_RECENT_MASKS) > _KEEP_RECENT_MASKS:
+                _RECENT_MASKS.popitem(last=False)
+    return mask.token
+
+
+def _sparsity(block_mask: Optional[int], window_left: int, window_right: int) -> dict:
+    """cuflash.attention's keyword arguments for the operators' mask token and window."""
+    mask = None if block_mask is None else BlockMask.from_token(block_mask)
+    return dict(block_mask=mask, window=(window_left, window_right))
+
+
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=(), device_types="cuda")
 def _attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: Optional[float],
+    block_mask: Optional[int] = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     device = _check_cuda(q, k, v)
-    return _run(device, _cf.attention, q, k, v, causal=causal, scale=scale)
+    return _run(device, _cf.attention, q, k, v, causal=causal, scale=scale,
+                **_sparsity(block_mask, window_left, window_right))
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale):
+def _attention_fwd_fake(q, k, v, causal, scale, block_mask=None, window_left=-1, window_right=-1):
     lead = _out_lead_shape(q.shape, k.shape, v.shape)
     o = q.new_empty(lead + (q.shape[-2], v.shape[-1]))
     l = q.new_empty(lead + (q.shape[-2],), dtype=torch.float32)
@@ -129,6 +176,9 @@ def _attention_bwd(
     m: torch.Tensor,
     causal: bool,
     scale: Optional[float],
+    block_mask: Optional[int] = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     device = _check_cuda(do, q, k, v, o, l, m)
     # The incoming gradient's layout is autograd's choice, not the user's: e.g. the gradient
@@ -138,31 +188,31 @@ def _attention_bwd(
     l, m = l.contiguous(), m.contiguous()  # no-ops for the forward's own outputs
     return _run(
         device, _cf.attention_backward, do, q, k, v, o, l, m,
-        causal=causal, scale=scale,
+        causal=causal, scale=scale, **_sparsity(block_mask, window_left, window_right),
         # torch.use_deterministic_algorithms(True) selects the bit-reproducible backward.
         deterministic=torch.are_deterministic_algorithms_enabled(),
     )
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, l, m, causal, scale):
+def _attention_bwd_fake(do, q, k, v, o, l, m, causal, scale, block_mask=None, window_left=-1, window_right=-1):
     # Contiguous like the real outputs (empty_like would copy a permuted input's strides).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, *options = inputs  # causal, scale, block_mask, window_left, window_right
     o, l, m = output
     ctx.save_for_backward(q, k, v, o, l, m)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.options = options
     # l and m are softmax statistics, returned for inspection; no gradient flows through them.
     ctx.mark_non_differentiable(l, m)
 
 
 def _backward(ctx, do, _dl, _dm):
     q, k, v, o, l, m = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(do, q, k, v, o, l, m, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, l, m, *ctx.options)
+    return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -175,6 +225,9 @@ def attention(
     *,
     causal: bool = False,
     scale: Optional[float] = None,
+    block_mask=None,
+    block_size=None,
+    window=None,
     return_stats: bool = False,
 ):
     """Exact scaled dot-product attention (FlashAttention) on CUDA tensors, differentiable.
@@ -190,6 +243,11 @@ def attention(
             aligns it top left); for Nq != Nk pass SDPA
             ``attn_mask=torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)`` to compare.
         scale: multiplies q k^T; defaults to 1 / sqrt(d).
+        block_mask, block_size, window: block-sparse and sliding-window attention, as in
+            :func:`cuflash.attention`: a :class:`cuflash.masks.BlockMask`, or a boolean
+            array / tensor (..., Tq, Tk) with ``block_size``; ``window=(left, right)``.
+            Under ``torch.compile`` pass a BlockMask built outside the compiled code (a
+            boolean tensor is converted on the host, which a graph cannot do).
         return_stats: also return the float32 softmax statistics.
 
     Returns:
@@ -201,5 +259,8 @@ def attention(
     is in effect. A row with no allowed key (causal with Nq > Nk) gets o = 0 and zero
     gradients.
     """
-    o, l, m = _attention_fwd(q, k, v, bool(causal), None if scale is None else float(scale))
+    mask = as_block_mask(block_mask, block_size)
+    left, right = window_option(window) or NO_WINDOW
+    o, l, m = _attention_fwd(q, k, v, bool(causal), None if scale is None else float(scale),
+                             _mask_token(mask), left, right)
     return AttentionOutput(o, l, m) if return_stats else o

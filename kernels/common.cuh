@@ -35,7 +35,24 @@ struct FwdParams {
     i64 kv_group;                  // q heads per k/v head along the last leading dim (GQA), else 1
     double scale;                  // S = scale * q k^T
     double scale_log2;             // scale * log2(e): softmax runs on exp2
+    // Sliding window, aligned at the bottom right like causal: query i sees key j when
+    // i + (nk - nq) - window_left <= j <= i + (nk - nq) + window_right; -1 = unbounded side.
+    i64 window_left, window_right;
+    // Block sparsity (null tile_counts = dense). For each (mask batch, tile this kernel walks
+    // over its grid) a list of the tiles it visits on the other axis, ascending, in units of
+    // this launch's tile sizes: tile_counts[mb * n_outer + t] entries at
+    // tile_lists[(mb * n_outer + t) * list_stride ...]. An entry with kPartialTile set also
+    // needs the element-wise lookup in `blocks` (the (mask_tq, mask_tk) bytes of the user's
+    // block mask, block_q x block_k elements each), because it straddles blocks that differ.
+    const int* tile_counts;
+    const int* tile_lists;
+    const unsigned char* blocks;
+    i64 n_outer, list_stride;
+    i64 block_q, block_k, mask_tq, mask_tk;
+    i64 mask_lead_stride[kMaxLead];  // mask-batch strides over the output's leading dims, 0 = broadcast
 };
+
+constexpr int kPartialTile = 1 << 30;  // flag bit of a tile_lists entry
 
 // Extra tensors of the backward pass. Their leading dims are the output's (FwdParams::lead_shape).
 struct BwdParams {
@@ -111,6 +128,18 @@ template <> __device__ __forceinline__ u32 pack2<fp16>(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// The two 16-bit values of a pack2 result, back in fp32 (lo first).
+template <typename T> __device__ __forceinline__ float2 unpack2(u32 x);
+template <> __device__ __forceinline__ float2 unpack2<bf16>(u32 x) {
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 unpack2<fp16>(u32 x) {
+    float lo, hi;
+    asm("{\n\t.reg .f16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(x));
+    return make_float2(lo, hi);
 }
 
 template <typename T> __device__ __forceinline__ float to_float(T x);

@@ -8,11 +8,11 @@
 // folded into lse2 = (m + log l) * log2(e), so that P = exp2(scale_log2 * q.k - lse2).
 //
 // flash_bwd_preprocess   D and lse2 per query row (O(N d) work, one pass over dO and O).
-// flash_bwd_kernel       one CTA per key tile of BC = 16 * NWARPS keys; each warp owns 16 keys
-//                        and accumulates their dK and dV rows in registers while the CTA walks
-//                        the query tiles. dQ of each query tile is reduced across the key
-//                        warps through shared memory and added to a float32 dQ with atomics
-//                        (ATOMIC_DQ), or left to flash_bwd_dq_kernel.
+// flash_bwd_kernel       one CTA per key tile of BC keys walks the query tiles of BR rows,
+//                        keeping dK and dV of its keys in registers (spread over all warps).
+//                        P and dS pass through shared memory; dQ of each query tile is added
+//                        to a float32 dQ with vector atomics (ATOMIC_DQ), or left to
+//                        flash_bwd_dq_kernel.
 // flash_bwd_dq_kernel    deterministic dQ: one CTA per query tile walks the key tiles, like the
 //                        forward, recomputing S and dP (two more matmuls, no atomics).
 // Head dims above 128 run flash_bwd_kernel twice (DO_DV then DO_DK) so that only one of the
@@ -67,31 +67,97 @@ __device__ __forceinline__ void store_pair(float* base, i64 row_offset, int col,
         *reinterpret_cast<float2*>(base + row_offset + col) = make_float2(x0, x1);
 }
 
+// acc[MT][NT] += A B over KSTEPS 16-wide k-steps for one warp's (16 MT) x (8 NT) tile, both
+// operands in shared memory. A is stored [m][k] (A_KMAJOR false) or [k][m] (true, read with
+// ldmatrix.trans); B is stored [n][k] (B_KMAJOR false) or [k][n] (true). The pointers are
+// already offset to the warp's first row / column; pitches are in elements.
+template <typename T, int MT, int NT, int KSTEPS, bool A_KMAJOR, bool B_KMAJOR, int KUNROLL = 1>
+__device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* a, int a_pitch,
+                                          const T* b, int b_pitch, int lane) {
+    static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
+#pragma unroll KUNROLL
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if constexpr (A_KMAJOR)
+                ldmatrix_x4_trans(af[mt], smem_addr(a + (kk * 16 + (lane / 16) * 8 + lane % 8) * a_pitch +
+                                                    mt * 16 + ((lane / 8) % 2) * 8));
+            else
+                ldmatrix_x4(af[mt], smem_addr(a + (mt * 16 + lane % 16) * a_pitch + kk * 16 + (lane / 16) * 8));
+        }
+#pragma unroll
+        for (int nn = 0; nn < NT / 2; ++nn) {
+            u32 bf[4];
+            if constexpr (B_KMAJOR)
+                ldmatrix_x4_trans(bf, smem_addr(b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * b_pitch +
+                                                nn * 16 + (lane / 16) * 8));
+            else
+                ldmatrix_x4(bf, smem_addr(b + (nn * 16 + lane % 8 + (lane / 16) * 8) * b_pitch +
+                                          kk * 16 + ((lane / 8) % 2) * 8));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(acc[mt][2 * nn], af[mt], bf[0], bf[1]);
+                mma_16816<T>(acc[mt][2 * nn + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// dst[0] += x, dst[1] += y in device memory (8-byte aligned): one vector reduction on sm_90.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(dst, x);
+    atomicAdd(dst + 1, y);
+#endif
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+
 template <int HD, int HDV, int BR, int BC>
 struct BwdSmemLayout {
     static constexpr int k_pitch = HD + kSmemPad, q_pitch = HD + kSmemPad;
     static constexpr int v_pitch = HDV + kSmemPad, do_pitch = HDV + kSmemPad;
-    static constexpr int ds_pitch = BR + kSmemPad;  // dS^T, [key][query]
+    static constexpr int p_pitch = BC + kSmemPad;  // P and dS, [query][key]
     // float statistics first (16-byte aligned), then the 16-bit tiles
     static constexpr int stats_bytes = 4 * 2 * 2 * BR;  // lse2 and D, two stages
     static constexpr int k_elems = BC * k_pitch, v_elems = BC * v_pitch;
     static constexpr int q_elems = BR * q_pitch, do_elems = BR * do_pitch;  // per stage
-    static constexpr int ds_elems = BC * ds_pitch;
-    static constexpr int bytes = stats_bytes + 2 * (k_elems + v_elems + 2 * q_elems + 2 * do_elems + ds_elems);
+    static constexpr int p_elems = BR * p_pitch;
+    static constexpr int bytes = stats_bytes + 2 * (k_elems + v_elems + 2 * q_elems + 2 * do_elems + 2 * p_elems);
 };
 
+// One CTA per key tile of BC keys walks the query tiles of BR rows. Each matmul spreads the
+// warps over its own output tile in two dimensions (FlashAttention-2's layout), so that a
+// warp's operand fragments feed several mmas and no warp reads a whole tile it does not need:
+//   S, dP (BR x BC):        WM_S warps along queries x NWARPS / WM_S along keys
+//   dK, dV (BC x HD / HDV): WK_KV warps along keys x NWARPS / WK_KV along the head dim
+//   dQ (BR x HD):           WM_Q warps along queries x NWARPS / WM_Q along the head dim
+// P and dS go through shared memory ([query][key], 16-bit) between the first matmuls and
+// the rest; dK and dV stay in registers for the whole walk.
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
-          bool DO_DK, bool DO_DV, bool ATOMIC_DQ>
+          bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, int KU_S, int KU_O,
+          bool SPARSE>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
-    static_assert(BC == 16 * NWARPS, "each warp owns 16 keys");
-    static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0, "mma tiles are 16 wide");
+    static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
     constexpr int NT = NWARPS * 32;
-    // The dQ step splits the CTA's warps over (query row tile, head-dim slice).
-    constexpr int DQ_ROW_TILES = BR / 16;
-    static_assert(NWARPS % DQ_ROW_TILES == 0, "warps must cover the query row tiles");
-    constexpr int DQ_GROUPS = NWARPS / DQ_ROW_TILES;
-    constexpr int DQ_COLS = (HD / DQ_GROUPS + 15) / 16 * 16;  // the last slice may overhang HD
+    constexpr int S_ROWS = BR / WM_S, S_COLS = BC / (NWARPS / WM_S);
+    constexpr int KV_ROWS = BC / WK_KV, DK_COLS = HD / (NWARPS / WK_KV), DV_COLS = HDV / (NWARPS / WK_KV);
+    constexpr int Q_ROWS = BR / WM_Q, DQ_COLS = HD / (NWARPS / WM_Q);
+    static_assert(S_ROWS % 16 == 0 && S_COLS % 16 == 0 && KV_ROWS % 16 == 0 && Q_ROWS % 16 == 0,
+                  "every warp tile is whole 16 x 16 blocks");
+    static_assert(DK_COLS % 16 == 0 && DV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "head-dim slices are 16 wide");
     using L = BwdSmemLayout<HD, HDV, BR, BC>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -106,7 +172,8 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     T* sV = sK + L::k_elems;
     T* sQ = sV + L::v_elems;        // [2][BR][q_pitch]
     T* sdO = sQ + 2 * L::q_elems;   // [2][BR][do_pitch]
-    T* sdS = sdO + 2 * L::do_elems; // [BC][ds_pitch]
+    T* sP = sdO + 2 * L::do_elems;  // [BR][p_pitch]
+    T* sdS = sP + L::p_elems;       // [BR][p_pitch]
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
@@ -122,27 +189,25 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     const float* gLse = b.lse2 + bidx * b.nq_pad;
     const float* gD = b.delta + bidx * b.nq_pad;
 
-    // Causal: the first query that sees key j0 is j0 - (nk - nq).
-    const int n_qtiles = (int)((nq + BR - 1) / BR);
-    i64 first_q = CAUSAL ? j0 - (nk - nq) : 0;
-    first_q = first_q < 0 ? 0 : first_q;
-    const int i_begin = (int)(first_q / BR);
+    // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = query_tiles<SPARSE>(p, band, bidx, (int)blockIdx.x, j0, BC, BR);
+    int clean_first, clean_last;  // query tiles that need no element mask
+    band.clean_query_tiles(j0, BC, BR, nk, clean_first, clean_last);
 
     const float scale_log2 = (float)p.scale_log2;
     const float scale = (float)p.scale;
-    const int my_col = 2 * (lane % 4);
-    const i64 my_key[2] = {j0 + warp * 16 + lane / 4, j0 + warp * 16 + lane / 4 + 8};
+    const int my_row = lane / 4, my_col = 2 * (lane % 4);  // in every m16n8 accumulator
+    // This warp's place in each of the three layouts.
+    const int s_row0 = (warp % WM_S) * S_ROWS, s_col0 = (warp / WM_S) * S_COLS;
+    const int kv_row0 = (warp % WK_KV) * KV_ROWS;
+    const int dk_col0 = (warp / WK_KV) * DK_COLS, dv_col0 = (warp / WK_KV) * DV_COLS;
+    const int q_row0 = (warp % WM_Q) * Q_ROWS, dq_col0 = (warp / WM_Q) * DQ_COLS;
 
-    float acc_dk[DO_DK ? HD / 8 : 1][4];
-    float acc_dv[DO_DV ? HDV / 8 : 1][4];
-#pragma unroll
-    for (int n = 0; n < (DO_DK ? HD / 8 : 1); ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[n][e] = 0.f;
-#pragma unroll
-    for (int n = 0; n < (DO_DV ? HDV / 8 : 1); ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[n][e] = 0.f;
+    float acc_dk[DO_DK ? KV_ROWS / 16 : 1][DO_DK ? DK_COLS / 8 : 2][4];
+    float acc_dv[DO_DV ? KV_ROWS / 16 : 1][DO_DV ? DV_COLS / 8 : 2][4];
+    zero(acc_dk);
+    zero(acc_dv);
 
     auto load_query_tile = [&](int i, int stage) {
         const i64 i0 = (i64)i * BR;
@@ -152,18 +217,18 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         load_floats_async<BR, NT>(sD + stage * BR, gD + i0, tid);
     };
 
-    if (i_begin < n_qtiles) {
+    if (tiles.count > 0) {
         load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, j0, nk, p.d, tid);
         load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, j0, nk, p.dv, tid);
-        load_query_tile(i_begin, 0);
+        load_query_tile(tiles.tile(0), 0);
         cp_async_commit();
     }
 
-    for (int i = i_begin; i < n_qtiles; ++i) {
-        const int stage = (i - i_begin) & 1;
+    for (int it = 0; it < tiles.count; ++it) {
+        const int stage = it & 1, i = tiles.tile(it);
         cp_async_wait<0>();
-        __syncthreads();  // tile i landed; every warp is done with tile i-1 (and with sdS)
-        if (i + 1 < n_qtiles) load_query_tile(i + 1, stage ^ 1);
+        __syncthreads();  // tile i landed; every warp is done with the previous one, sP and sdS
+        if (it + 1 < tiles.count) load_query_tile(tiles.tile(it + 1), stage ^ 1);
         cp_async_commit();
         const T* cQ = sQ + stage * L::q_elems;
         const T* cdO = sdO + stage * L::do_elems;
@@ -171,183 +236,140 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         const float* cD = sD + stage * BR;
         const i64 i0 = (i64)i * BR;
 
-        // -- S^T = K_w Q^T: this warp's 16 keys against the BR queries --
-        float acc_s[BR / 8][4];
-#pragma unroll
-        for (int n = 0; n < BR / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
-        // Partly unrolled k-loops: fully unrolled, the compiler keeps every K and V fragment
-        // of the warp live at once and the kernel spills.
-#pragma unroll 2
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 a[4];
-            ldmatrix_x4(a, smem_addr(sK + (warp * 16 + lane % 16) * L::k_pitch + kk * 16 + (lane / 16) * 8));
-#pragma unroll
-            for (int nn = 0; nn < BR / 16; ++nn) {
-                u32 bq[4];
-                ldmatrix_x4(bq, smem_addr(cQ + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::q_pitch +
-                                          kk * 16 + ((lane / 8) % 2) * 8));
-                mma_16816<T>(acc_s[2 * nn], a, bq[0], bq[1]);
-                mma_16816<T>(acc_s[2 * nn + 1], a, bq[2], bq[3]);
-            }
-        }
+        // -- S = Q K^T and dP = dO V^T on this warp's (queries x keys) tile --
+        constexpr int MT_S = S_ROWS / 16, NT_S = S_COLS / 8;
+        float acc_s[MT_S][NT_S][4], acc_dp[MT_S][NT_S][4];
+        zero(acc_s);
+        warp_gemm<T, MT_S, NT_S, HD / 16, false, false, KU_S>(acc_s, cQ + s_row0 * L::q_pitch, L::q_pitch,
+                                                        sK + s_col0 * L::k_pitch, L::k_pitch, lane);
         // -- mask (keys past nk, causal diagonal); queries past nq need none: lse2 = +inf --
-        if (j0 + BC > nk || (CAUSAL && j0 + BC - 1 > i0 + (nk - nq))) {
-            const TileMask mask(i0, j0, nq, nk);
+        if (i < clean_first || i > clean_last) {
+            // Thresholds relative to this thread's first element, so that each test below
+            // compares a register with a compile-time offset (no per-element index registers).
+            const TileMask mask(Band::of<CAUSAL>(p), i0, j0, nk);
+            const int rel = s_row0 + my_row - s_col0 - my_col;
+            const int key_room = mask.key_room - s_col0 - my_col;
+            const int diag_lo = mask.diag_lo + rel, diag_hi = mask.diag_hi + rel;
 #pragma unroll
-            for (int n = 0; n < BR / 8; ++n)
+            for (int mt = 0; mt < MT_S; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key_local = warp * 16 + lane / 4 + 8 * (e / 2);
-                    if (!mask.allowed<CAUSAL>(n * 8 + my_col + (e & 1), key_local)) acc_s[n][e] = neg_inf();
-                }
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int dk = nt * 8 + (e & 1), dq = mt * 16 + 8 * (e / 2);
+                        if (dk >= key_room || dk - dq < diag_lo || dk - dq > diag_hi) acc_s[mt][nt][e] = neg_inf();
+                    }
         }
-        // -- P^T = exp2(S^T * scale_log2 - lse2[query]) --
+        if (tiles.partial(it)) {
 #pragma unroll
-        for (int n = 0; n < BR / 8; ++n) {
-            const float lse_a = cLse[n * 8 + my_col], lse_b = cLse[n * 8 + my_col + 1];
-            acc_s[n][0] = fast_exp2(acc_s[n][0] * scale_log2 - lse_a);
-            acc_s[n][1] = fast_exp2(acc_s[n][1] * scale_log2 - lse_b);
-            acc_s[n][2] = fast_exp2(acc_s[n][2] * scale_log2 - lse_a);
-            acc_s[n][3] = fast_exp2(acc_s[n][3] * scale_log2 - lse_b);
+            for (int mt = 0; mt < MT_S; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const i64 q = i0 + s_row0 + mt * 16 + my_row + 8 * (e / 2);
+                        const i64 key = j0 + s_col0 + nt * 8 + my_col + (e & 1);
+                        if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][nt][e] = neg_inf();
+                    }
         }
-
-        // -- dV_w += P^T dO (P^T packed as A fragments; dO read transposed) --
-        if constexpr (DO_DV) {
+        // -- P = exp2(S * scale_log2 - lse2[query]), packed to 16 bits at once: the fp32
+        //    scores die here. When P goes to shared memory for dV, dS reads it back from
+        //    there (each thread its own values) instead of holding it through dP's matmul --
+        constexpr bool P_IN_SMEM = DO_DV;
+        u32 p16[P_IN_SMEM ? 1 : MT_S][P_IN_SMEM ? 1 : NT_S][2];
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) {
-                const u32 pa[4] = {pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
-                                   pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
-                                   pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
-                                   pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
+        for (int mt = 0; mt < MT_S; ++mt)
 #pragma unroll
-                for (int nd = 0; nd < HDV / 16; ++nd) {
-                    u32 bo[4];
-                    ldmatrix_x4_trans(bo, smem_addr(cdO + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::do_pitch +
-                                                    nd * 16 + (lane / 16) * 8));
-                    mma_16816<T>(acc_dv[2 * nd], pa, bo[0], bo[1]);
-                    mma_16816<T>(acc_dv[2 * nd + 1], pa, bo[2], bo[3]);
+            for (int h = 0; h < 2; ++h) {
+                const int row = s_row0 + mt * 16 + my_row + 8 * h;
+                const float lse = cLse[row];
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt) {
+                    const u32 packed = pack2<T>(fast_exp2(acc_s[mt][nt][2 * h] * scale_log2 - lse),
+                                                fast_exp2(acc_s[mt][nt][2 * h + 1] * scale_log2 - lse));
+                    if constexpr (P_IN_SMEM)
+                        *reinterpret_cast<u32*>(sP + row * L::p_pitch + s_col0 + nt * 8 + my_col) = packed;
+                    else
+                        p16[mt][nt][h] = packed;
                 }
             }
-        }
-
         if constexpr (DO_DK || ATOMIC_DQ) {
-            // -- dP^T = V_w dO^T --
-            float acc_dp[BR / 8][4];
+            zero(acc_dp);
+            warp_gemm<T, MT_S, NT_S, HDV / 16, false, false, KU_S>(acc_dp, cdO + s_row0 * L::do_pitch, L::do_pitch,
+                                                             sV + s_col0 * L::v_pitch, L::v_pitch, lane);
+            // -- dS = P o (dP - D[query]), to shared memory in 16 bits --
 #pragma unroll
-            for (int n = 0; n < BR / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dp[n][e] = 0.f;
-#pragma unroll 2
-            for (int kk = 0; kk < HDV / 16; ++kk) {
-                u32 a[4];
-                ldmatrix_x4(a, smem_addr(sV + (warp * 16 + lane % 16) * L::v_pitch + kk * 16 + (lane / 16) * 8));
-#pragma unroll
-                for (int nn = 0; nn < BR / 16; ++nn) {
-                    u32 bo[4];
-                    ldmatrix_x4(bo, smem_addr(cdO + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::do_pitch +
-                                              kk * 16 + ((lane / 8) % 2) * 8));
-                    mma_16816<T>(acc_dp[2 * nn], a, bo[0], bo[1]);
-                    mma_16816<T>(acc_dp[2 * nn + 1], a, bo[2], bo[3]);
-                }
-            }
-            // -- dS^T = P^T o (dP^T - D[query]), packed to 16 bits --
-            u32 ds_frag[BR / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int n = 2 * kk + half;
-                    const float d_a = cD[n * 8 + my_col], d_b = cD[n * 8 + my_col + 1];
-                    ds_frag[kk][2 * half] = pack2<T>(acc_s[n][0] * (acc_dp[n][0] - d_a),
-                                                     acc_s[n][1] * (acc_dp[n][1] - d_b));
-                    ds_frag[kk][2 * half + 1] = pack2<T>(acc_s[n][2] * (acc_dp[n][2] - d_a),
-                                                         acc_s[n][3] * (acc_dp[n][3] - d_b));
-                }
-            }
-            // -- dK_w += dS^T Q (scale applied at the end) --
-            if constexpr (DO_DK) {
-#pragma unroll
-                for (int kk = 0; kk < BR / 16; ++kk) {
-#pragma unroll
-                    for (int nd = 0; nd < HD / 16; ++nd) {
-                        u32 bq[4];
-                        ldmatrix_x4_trans(bq, smem_addr(cQ + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::q_pitch +
-                                                        nd * 16 + (lane / 16) * 8));
-                        mma_16816<T>(acc_dk[2 * nd], ds_frag[kk], bq[0], bq[1]);
-                        mma_16816<T>(acc_dk[2 * nd + 1], ds_frag[kk], bq[2], bq[3]);
-                    }
-                }
-            }
-            // -- dQ_i += scale * dS K: reduce over this CTA's keys through shared memory --
-            if constexpr (ATOMIC_DQ) {
-                T* ds_row = sdS + (warp * 16 + lane / 4) * L::ds_pitch;
-#pragma unroll
-                for (int kk = 0; kk < BR / 16; ++kk) {
-                    *reinterpret_cast<u32*>(ds_row + kk * 16 + my_col) = ds_frag[kk][0];
-                    *reinterpret_cast<u32*>(ds_row + 8 * L::ds_pitch + kk * 16 + my_col) = ds_frag[kk][1];
-                    *reinterpret_cast<u32*>(ds_row + kk * 16 + 8 + my_col) = ds_frag[kk][2];
-                    *reinterpret_cast<u32*>(ds_row + 8 * L::ds_pitch + kk * 16 + 8 + my_col) = ds_frag[kk][3];
-                }
-                __syncthreads();
-                const int mt = warp % DQ_ROW_TILES, col0 = (warp / DQ_ROW_TILES) * DQ_COLS;
-                float acc_dq[DQ_COLS / 8][4];
-#pragma unroll
-                for (int n = 0; n < DQ_COLS / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
-#pragma unroll 2
-                for (int kk = 0; kk < BC / 16; ++kk) {
-                    u32 a[4];  // dS rows (queries) from the [key][query] tile, transposed on load
-                    ldmatrix_x4_trans(a, smem_addr(sdS + (kk * 16 + (lane / 16) * 8 + lane % 8) * L::ds_pitch +
-                                                   mt * 16 + ((lane / 8) % 2) * 8));
-#pragma unroll
-                    for (int nd = 0; nd < DQ_COLS / 16; ++nd) {
-                        if (DQ_COLS * DQ_GROUPS > HD && col0 + nd * 16 >= HD) break;
-                        u32 bk[4];
-                        ldmatrix_x4_trans(bk, smem_addr(sK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::k_pitch +
-                                                        col0 + nd * 16 + (lane / 16) * 8));
-                        mma_16816<T>(acc_dq[2 * nd], a, bk[0], bk[1]);
-                        mma_16816<T>(acc_dq[2 * nd + 1], a, bk[2], bk[3]);
-                    }
-                }
+            for (int mt = 0; mt < MT_S; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const i64 q = i0 + mt * 16 + lane / 4 + 8 * h;
+                    const int row = s_row0 + mt * 16 + my_row + 8 * h;
+                    const float delta = cD[row];
+#pragma unroll
+                    for (int nt = 0; nt < NT_S; ++nt) {
+                        const int at = row * L::p_pitch + s_col0 + nt * 8 + my_col;
+                        u32 packed;
+                        if constexpr (P_IN_SMEM)
+                            packed = *reinterpret_cast<const u32*>(sP + at);
+                        else
+                            packed = p16[mt][nt][h];
+                        const float2 pv = unpack2<T>(packed);
+                        *reinterpret_cast<u32*>(sdS + at) =
+                            pack2<T>(pv.x * (acc_dp[mt][nt][2 * h] - delta), pv.y * (acc_dp[mt][nt][2 * h + 1] - delta));
+                    }
+                }
+        }
+        __syncthreads();  // P and dS complete
+
+        // -- dV += P^T dO,  dK += dS^T Q (scale applied at the end) --
+        if constexpr (DO_DV)
+            warp_gemm<T, KV_ROWS / 16, DV_COLS / 8, BR / 16, true, true, KU_O>(acc_dv, sP + kv_row0, L::p_pitch,
+                                                                        cdO + dv_col0, L::do_pitch, lane);
+        if constexpr (DO_DK)
+            warp_gemm<T, KV_ROWS / 16, DK_COLS / 8, BR / 16, true, true, KU_O>(acc_dk, sdS + kv_row0, L::p_pitch,
+                                                                        cQ + dk_col0, L::q_pitch, lane);
+        // -- dQ_i += scale * dS K, added to the float32 dQ with atomics --
+        if constexpr (ATOMIC_DQ) {
+            float acc_dq[Q_ROWS / 16][DQ_COLS / 8][4];
+            zero(acc_dq);
+            warp_gemm<T, Q_ROWS / 16, DQ_COLS / 8, BC / 16, false, true, KU_O>(acc_dq, sdS + q_row0 * L::p_pitch, L::p_pitch,
+                                                                        sK + dq_col0, L::k_pitch, lane);
+#pragma unroll
+            for (int mt = 0; mt < Q_ROWS / 16; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const i64 q = i0 + q_row0 + mt * 16 + my_row + 8 * h;
                     if (q >= nq) continue;
                     float* dq_row = b.dq_acc + (bidx * nq + q) * p.d;
 #pragma unroll
-                    for (int n = 0; n < DQ_COLS / 8; ++n) {
-                        const int col = col0 + n * 8 + my_col;
-                        if (col < p.d) {
-                            atomicAdd(dq_row + col, scale * acc_dq[n][2 * h]);
-                            atomicAdd(dq_row + col + 1, scale * acc_dq[n][2 * h + 1]);
-                        }
+                    for (int nt = 0; nt < DQ_COLS / 8; ++nt) {
+                        const int col = dq_col0 + nt * 8 + my_col;
+                        if (col < p.d)
+                            atomic_add_pair(dq_row + col, scale * acc_dq[mt][nt][2 * h], scale * acc_dq[mt][nt][2 * h + 1]);
                     }
                 }
-            }
         }
     }
 
-    // -- write this warp's dK (scaled) and dV rows: fp32 for a later reduction, or final in T --
+    // -- write this warp's dK (scaled) and dV: fp32 for a later reduction, or final in T --
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const i64 key = my_key[h];
-        if (key >= nk) continue;
-        if constexpr (DO_DK) {
+    for (int mt = 0; mt < KV_ROWS / 16; ++mt)
 #pragma unroll
-            for (int n = 0; n < HD / 8; ++n)
-                store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, n * 8 + my_col, p.d, b.dkv_in_dtype,
-                              scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
+        for (int h = 0; h < 2; ++h) {
+            const i64 key = j0 + kv_row0 + mt * 16 + my_row + 8 * h;
+            if (key >= nk) continue;
+            if constexpr (DO_DK) {
+#pragma unroll
+                for (int nt = 0; nt < DK_COLS / 8; ++nt)
+                    store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, dk_col0 + nt * 8 + my_col, p.d, b.dkv_in_dtype,
+                                  scale * acc_dk[mt][nt][2 * h], scale * acc_dk[mt][nt][2 * h + 1]);
+            }
+            if constexpr (DO_DV) {
+#pragma unroll
+                for (int nt = 0; nt < DV_COLS / 8; ++nt)
+                    store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, dv_col0 + nt * 8 + my_col, p.dv, b.dkv_in_dtype,
+                                  acc_dv[mt][nt][2 * h], acc_dv[mt][nt][2 * h + 1]);
+            }
         }
-        if constexpr (DO_DV) {
-#pragma unroll
-            for (int n = 0; n < HDV / 8; ++n)
-                store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, n * 8 + my_col, p.dv, b.dkv_in_dtype,
-                              acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
-        }
-    }
 }
 
 // ---- deterministic dQ ------------------------------------------------------------------
@@ -360,7 +382,7 @@ struct BwdDqSmemLayout {
     static constexpr int bytes = 2 * (q_elems + do_elems + 2 * k_elems + 2 * v_elems);
 };
 
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL>
+template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
@@ -388,7 +410,11 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     const T* gV = static_cast<const T*>(p.v) + off.v;
     const T* gdO = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const int n_tiles = (int)((key_limit<CAUSAL>(q_end, nq, nk) + BC - 1) / BC);
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
+    const int n_tiles = tiles.count;
+    int clean_first, clean_last;  // this warp's key tiles that need no element mask
+    band.clean_key_tiles(q0 + warp * 16, 16, BC, nk, clean_first, clean_last);
 
     const int my_col = 2 * (lane % 4);
     const i64 my_q[2] = {q0 + warp * 16 + lane / 4, q0 + warp * 16 + lane / 4 + 8};
@@ -409,8 +435,9 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     if (n_tiles > 0) {
         load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
         load_tile_async<BR, HDV, L::do_pitch, NT>(sdO, gdO, b.do_row_stride, q0, nq, p.dv, tid);
-        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, 0, nk, p.d, tid);
-        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, 0, nk, p.dv, tid);
+        const i64 k_first = (i64)tiles.tile(0) * BC;
+        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
+        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
         cp_async_commit();
     }
     for (int t = 0; t < n_tiles; ++t) {
@@ -418,13 +445,15 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
         __syncthreads();
         if (t + 1 < n_tiles) {
             const int stage = (t + 1) & 1;
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride, (i64)(t + 1) * BC, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride, (i64)(t + 1) * BC, nk, p.dv, tid);
+            const i64 k_next = (i64)tiles.tile(t + 1) * BC;
+            load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride, k_next, nk, p.d, tid);
+            load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride, k_next, nk, p.dv, tid);
         }
         cp_async_commit();
         const T* cK = sK + (t & 1) * L::k_elems;
         const T* cV = sV + (t & 1) * L::v_elems;
-        const i64 k0 = (i64)t * BC;
+        const int k_tile = tiles.tile(t);
+        const i64 k0 = (i64)k_tile * BC;
 
         // -- S = Q K^T and dP = dO V^T, this warp's 16 queries against BC keys --
         float acc_s[BC / 8][4], acc_dp[BC / 8][4];
@@ -456,14 +485,21 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
                 mma_16816<T>(acc_dp[2 * nn + 1], a, bv[2], bv[3]);
             }
         }
-        if (tile_needs_mask<CAUSAL>(q0, k0, BC, nq, nk)) {
-            const TileMask mask(q0, k0, nq, nk);
+        if (k_tile < clean_first || k_tile > clean_last) {
+            const TileMask mask(Band::of<CAUSAL>(p), q0, k0, nk);
+#pragma unroll
+            for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mask.allowed(warp * 16 + lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1))) acc_s[n][e] = neg_inf();
+        }
+        if (tiles.partial(t)) {
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int q_local = warp * 16 + lane / 4 + 8 * (e / 2);
-                    if (!mask.allowed<CAUSAL>(q_local, n * 8 + my_col + (e & 1))) acc_s[n][e] = neg_inf();
+                    const i64 q = my_q[e / 2], key = k0 + n * 8 + my_col + (e & 1);
+                    if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[n][e] = neg_inf();
                 }
         }
         // -- dS = P o (dP - D), P = exp2(S * scale_log2 - lse2), as A fragments --

@@ -22,7 +22,7 @@ __device__ __forceinline__ void load_rows_f32(float* smem, const float* gmem, i6
 }
 
 // DT = ceil(d / 32), DVT = ceil(dv / 32): dK / dV columns per lane.
-template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL>
+template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL, bool SPARSE>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     constexpr int NT = NWARPS * 32, BK = NWARPS * KPW;
@@ -49,8 +49,8 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     load_rows_f32(sK, static_cast<const float*>(p.k) + off.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
     load_rows_f32(sV, static_cast<const float*>(p.v) + off.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
 
-    i64 first_q = CAUSAL ? j0 - (nk - nq) : 0;
-    first_q = first_q < 0 ? 0 : first_q;
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = query_tiles<SPARSE>(p, band, bidx, (int)blockIdx.x, j0, BK, 32);
     const float scale_log2 = (float)p.scale_log2;
     float acc_dk[KPW][DT], acc_dv[KPW][DVT];
 #pragma unroll
@@ -61,7 +61,8 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
         for (int u = 0; u < DVT; ++u) acc_dv[r][u] = 0.f;
     }
 
-    for (i64 q0 = (first_q / 32) * 32; q0 < nq; q0 += 32) {
+    for (int it = 0; it < tiles.count; ++it) {
+        const i64 q0 = (i64)tiles.tile(it) * 32;
         __syncthreads();  // every warp is done with the previous query tile
         load_rows_f32(sQ, gQ, p.q_row_stride, q0, nq, 32, DT * 32, d, QP, tid, NT);
         load_rows_f32(sdO, gdO, b.do_row_stride, q0, nq, 32, DVT * 32, dv, OP, tid, NT);
@@ -75,7 +76,7 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
             float s = 0.f, dp = 0.f;
             for (int c = 0; c < d; ++c) s = fmaf(sK[kr * d + c], sQ[lane * QP + c], s);
             for (int c = 0; c < dv; ++c) dp = fmaf(sV[kr * dv + c], sdO[lane * OP + c], dp);
-            const bool allowed = q < nq && key_allowed<CAUSAL>(q, key, nq, nk);
+            const bool allowed = pair_allowed(p, band, tiles, tiles.partial(it), q, key);
             const float pr = allowed ? fast_exp2(s * scale_log2 - lse) : 0.f;
             const float ds = pr * (dp - delta);
             for (int j = 0; j < 32; ++j) {
@@ -102,7 +103,7 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     }
 }
 
-template <int DT, int NWARPS, int RPW, bool CAUSAL>
+template <int DT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, KP = DT * 32 + 1;
@@ -130,7 +131,8 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
     load_rows_f32(sdO, static_cast<const float*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride),
                   b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const i64 kv_end = key_limit<CAUSAL>(q_end, nq, nk);
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, 32);
     const float scale_log2 = (float)p.scale_log2;
 
     float lse[RPW], delta[RPW], acc[RPW][DT];
@@ -142,7 +144,8 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
 #pragma unroll
         for (int u = 0; u < DT; ++u) acc[r][u] = 0.f;
     }
-    for (i64 k0 = 0; k0 < kv_end; k0 += 32) {
+    for (int it = 0; it < tiles.count; ++it) {
+        const i64 k0 = (i64)tiles.tile(it) * 32;
         __syncthreads();
         load_rows_f32(sK, gK, p.k_row_stride, k0, nk, 32, DT * 32, d, KP, tid, NT);
         load_rows_f32(sV, gV, p.v_row_stride, k0, nk, 32, dv, dv, vp, tid, NT);
@@ -154,7 +157,7 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
             float s = 0.f, dp = 0.f;
             for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * KP + c], s);
             for (int c = 0; c < dv; ++c) dp = fmaf(sdO[row * dv + c], sV[lane * vp + c], dp);
-            const float pr = key_allowed<CAUSAL>(q0 + row, key, nq, nk) ? fast_exp2(s * scale_log2 - lse[r]) : 0.f;
+            const float pr = pair_allowed(p, band, tiles, tiles.partial(it), q0 + row, key) ? fast_exp2(s * scale_log2 - lse[r]) : 0.f;
             const float ds = pr * (dp - delta[r]);
             for (int j = 0; j < 32; ++j) {
                 const float dsj = __shfl_sync(0xffffffffu, ds, j);

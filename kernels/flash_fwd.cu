@@ -31,7 +31,7 @@ struct FwdSmemLayout {
 };
 
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
-          int QK_UNROLL = 2>
+          int QK_UNROLL = 2, bool SPARSE = false>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
@@ -67,8 +67,11 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     const T* gV = static_cast<const T*>(p.v) + off.v;
 
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const i64 kv_end = key_limit<CAUSAL>(q_end, nq, nk);
-    const int n_tiles = (int)((kv_end + BC - 1) / BC);
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
+    const int n_tiles = tiles.count;
+    int clean_first, clean_last;  // this warp's key tiles that need no element mask
+    band.clean_key_tiles(q0 + warp * WR, WR, BC, nk, clean_first, clean_last);
 
     // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8 of each
     // 16-row tile, and columns 2*(lane%4) and 2*(lane%4)+1 of every 8-wide column tile.
@@ -89,8 +92,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
     if (n_tiles > 0) {
         load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
-        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, 0, nk, p.d, tid);
-        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, 0, nk, p.dv, tid);
+        const i64 k_first = (i64)tiles.tile(0) * BC;
+        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
+        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
         cp_async_commit();
     }
 
@@ -100,7 +104,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         __syncthreads();
         if (t + 1 < n_tiles) {
             const int stage = (t + 1) & 1;
-            const i64 k_next = (i64)(t + 1) * BC;
+            const i64 k_next = (i64)tiles.tile(t + 1) * BC;
             load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride,
                                                     k_next, nk, p.d, tid);
             load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride,
@@ -109,7 +113,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         cp_async_commit();
         const T* cK = sK + (t & 1) * L::k_elems;
         const T* cV = sV + (t & 1) * L::v_elems;
-        const i64 k0 = (i64)t * BC;
+        const int k_tile = tiles.tile(t);
+        const i64 k0 = (i64)k_tile * BC;
 
         // -- S = Q K^T (raw scores, fp32) --
         float acc_s[MT][BC / 8][4];
@@ -142,17 +147,27 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             }
         }
 
-        // -- mask: only tiles crossing the key end or the causal diagonal --
-        if (tile_needs_mask<CAUSAL>(warp_q0, k0, BC, nq, nk)) {
+        // -- mask: only tiles crossing the key end or the band's edges, and partial blocks --
+        if (k_tile < clean_first || k_tile > clean_last) {
+            const TileMask mask(Band::of<CAUSAL>(p), warp_q0, k0, nk);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!mask.allowed(mt * 16 + lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1)))
+                            acc_s[mt][n][e] = neg_inf();
+        }
+        if (tiles.partial(t)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const i64 q = warp_q0 + mt * 16 + lane / 4 + 8 * (e / 2);
-                        const i64 key = k0 + n * 8 + my_col + (e & 1);
-                        if (!key_allowed<CAUSAL>(q, key, nq, nk)) acc_s[mt][n][e] = neg_inf();
+                        const i64 q = warp_q0 + mt * 16 + lane / 4 + 8 * (e / 2), key = k0 + n * 8 + my_col + (e & 1);
+                        if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][n][e] = neg_inf();
                     }
         }
 

@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_tile_f32(float* smem, const float* gmem, i6
 }
 
 // DVT: O columns per lane (ceil(dv / 32)); the key tile is the warp width, 32.
-template <int DVT, int NWARPS, int RPW, bool CAUSAL>
+template <int DVT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, BC = 32, VP = DVT * 32;
@@ -62,8 +62,9 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     const float* gK = static_cast<const float*>(p.k) + off.k;
     const float* gV = static_cast<const float*>(p.v) + off.v;
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const i64 kv_end = key_limit<CAUSAL>(q_end, nq, nk);
-    const int n_tiles = (int)((kv_end + BC - 1) / BC);
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
+    const int n_tiles = tiles.count;
     const float scale_log2 = (float)p.scale_log2;
 
     load_tile_f32<NT>(sQ, gQ, p.q_row_stride, q0, nq, BR, d, d, d, tid);
@@ -76,7 +77,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     softmax.init();
 
     for (int t = 0; t < n_tiles; ++t) {
-        const i64 k0 = (i64)t * BC;
+        const i64 k0 = (i64)tiles.tile(t) * BC;
         __syncthreads();  // every warp is done with the previous tile
         load_tile_f32<NT>(sK, gK, p.k_row_stride, k0, nk, BC, d, d, k_pitch, tid);
         load_tile_f32<NT>(sV, gV, p.v_row_stride, k0, nk, BC, VP, dv, VP, tid);
@@ -88,7 +89,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
             // -- s = q . k for this lane's key --
             float s = 0.f;
             for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * k_pitch + c], s);
-            if (!key_allowed<CAUSAL>(q0 + row, key, nq, nk)) s = neg_inf();
+            if (!pair_allowed(p, band, tiles, tiles.partial(t), q0 + row, key)) s = neg_inf();
             // -- online softmax --
             float base;
             const float correction = softmax.advance(i, warp_max(s), scale_log2, base);

@@ -1,52 +1,179 @@
-// mask.cuh: which (query, key) pairs take part.
+// mask.cuh: which (query, key) pairs take part, and which tiles a CTA visits.
 //
-// Causal attention is aligned at the bottom right (flash-attention >= 2.1): query i may see
-// key j when j <= i + (nk - nq). With nq > nk the first nq - nk queries see no key at all.
+// Three rules combine, all optional:
+//   causal   query i may see key j when j <= i + (nk - nq): aligned at the bottom right
+//            (flash-attention >= 2.1). With nq > nk the first nq - nk queries see no key.
+//   window   i + (nk - nq) - left <= j <= i + (nk - nq) + right (-1: that side unbounded),
+//            the same alignment; causal is the window's right side clipped to 0.
+//   blocks   a block mask (block_q x block_k elements per block) from the host, given to
+//            each CTA as the list of tiles it visits (FwdParams::tile_lists). Tiles off the
+//            list are skipped entirely; tiles that straddle present and absent blocks are
+//            flagged kPartialTile and masked element by element from FwdParams::blocks.
+// Causal and the window form a diagonal band: a CTA first clips its tile range to the band,
+// then masks element-wise only the tiles that cross the band's edges or the end of the keys.
 #pragma once
 #include "common.cuh"
 
 namespace cuflash {
 
-// The last key (exclusive bound) any query in [q_begin, q_end) may see.
-template <bool CAUSAL>
-__device__ __forceinline__ i64 key_limit(i64 q_end, i64 nq, i64 nk) {
-    if (!CAUSAL) return nk;
-    const i64 lim = q_end + (nk - nq);  // last query q_end-1 sees keys < q_end + nk - nq
-    return lim < 0 ? 0 : (lim < nk ? lim : nk);
-}
+constexpr i64 kUnbounded = (i64)1 << 40;  // farther than any sequence
 
-template <bool CAUSAL>
-__device__ __forceinline__ bool key_allowed(i64 q, i64 key, i64 nq, i64 nk) {
-    return key < nk && (!CAUSAL || key <= q + (nk - nq));
-}
+// The band |query-to-key offset| of causal and the window, in absolute positions:
+// query i sees key j iff lo <= j - i - shift <= hi, with shift = nk - nq.
+struct Band {
+    i64 shift, lo, hi;
 
-// Does a (query tile, key tile) pair need element-wise masking? Only tiles that cross the
-// end of the keys or the causal diagonal do; the rest run unmasked.
-template <bool CAUSAL>
-__device__ __forceinline__ bool tile_needs_mask(i64 q_begin, i64 key_begin, int key_rows,
-                                                i64 nq, i64 nk) {
-    if (key_begin + key_rows > nk) return true;
-    return CAUSAL && key_begin + key_rows - 1 > q_begin + (nk - nq);
-}
-
-// The same test in 32-bit tile-local coordinates, for the inner loops where 64-bit index
-// arithmetic would cost registers. For a tile whose first query is q0 and first key k0:
-//   key_room = nk - k0 (keys at local index >= key_room do not exist),
-//   diagonal = q0 + (nk - nq) - k0 (key local kl sees query local ql iff kl - ql <= diagonal).
-// Both are clamped into int range; only their comparison with small local indices matters.
-struct TileMask {
-    int key_room, diagonal;
-    __device__ __forceinline__ TileMask(i64 q0, i64 k0, i64 nq, i64 nk) {
-        key_room = (int)clamp_small(nk - k0);
-        diagonal = (int)clamp_small(q0 + (nk - nq) - k0);
-    }
     template <bool CAUSAL>
+    __device__ __forceinline__ static Band of(const FwdParams& p) {
+        Band b;
+        b.shift = p.nk - p.nq;
+        b.lo = p.window_left < 0 ? -kUnbounded : -p.window_left;
+        b.hi = p.window_right < 0 ? kUnbounded : p.window_right;
+        if (CAUSAL && b.hi > 0) b.hi = 0;
+        return b;
+    }
+    // Keys [first, end) that any query of [q0, q_end) may see (before the key end nk).
+    __device__ __forceinline__ void keys_of(i64 q0, i64 q_end, i64 nk, i64& first, i64& end) const {
+        first = q0 + shift + lo;
+        end = q_end - 1 + shift + hi + 1;
+        first = first < 0 ? 0 : first;
+        end = end > nk ? nk : end;
+    }
+    // Queries [first, end) that see any key of [k0, k_end).
+    __device__ __forceinline__ void queries_of(i64 k0, i64 k_end, i64 nq, i64& first, i64& end) const {
+        first = k0 - shift - hi;
+        end = k_end - 1 - shift - lo + 1;
+        first = first < 0 ? 0 : first;
+        end = end > nq ? nq : end;
+    }
+    __device__ __forceinline__ bool allows(i64 q, i64 k) const {
+        const i64 off = k - q - shift;
+        return off >= lo && off <= hi;
+    }
+    // The key tiles (of bc keys) [first, last] that hold no pair outside the band for the
+    // queries [q0, q0 + rows), and no key past nk: those run unmasked. Two ints, so that the
+    // per-tile test costs no registers across the loop.
+    __device__ __forceinline__ void clean_key_tiles(i64 q0, int rows, int bc, i64 nk, int& first, int& last) const {
+        first = ceil_div(small(q0 + rows - 1 + shift + lo), bc);
+        const i64 last_key = q0 + shift + hi < nk - 1 ? q0 + shift + hi : nk - 1;
+        last = floor_div(small(last_key + 1), bc) - 1;
+    }
+    // The query tiles (of br queries) [first, last] in which every query sees every key of
+    // [k0, k0 + bc) that exists; none when the key tile runs past nk.
+    __device__ __forceinline__ void clean_query_tiles(i64 k0, int bc, int br, i64 nk, int& first, int& last) const {
+        first = ceil_div(small(k0 + bc - 1 - shift - hi), br);
+        last = floor_div(small(k0 - br + 1 - shift - lo), br);
+        if (k0 + bc > nk) last = first - 1;
+    }
+
+    // 32-bit arithmetic on purpose: a 64-bit division is a called subroutine, and a call in
+    // a kernel this register-bound makes ptxas spill around it. Positions are < 2^31.
+    __device__ __forceinline__ static int small(i64 x) {
+        return (int)(x > (1 << 30) ? (1 << 30) : (x < -(1 << 30) ? -(1 << 30) : x));
+    }
+    __device__ __forceinline__ static int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+    __device__ __forceinline__ static int ceil_div(int a, int b) { return -floor_div(-a, b); }
+};
+
+// A tile's element mask in 32-bit tile-local coordinates (cheap in the inner loops). For the
+// tile whose first query is q0 and first key k0, key local kl and query local ql:
+//   kl < key_room (the key exists),  diag_lo <= kl - ql <= diag_hi (inside the band).
+struct TileMask {
+    int key_room, diag_lo, diag_hi;
+    __device__ __forceinline__ TileMask(const Band& band, i64 q0, i64 k0, i64 nk) {
+        key_room = (int)clamp_small(nk - k0);
+        diag_lo = (int)clamp_small(q0 + band.shift + band.lo - k0);
+        diag_hi = (int)clamp_small(q0 + band.shift + band.hi - k0);
+    }
     __device__ __forceinline__ bool allowed(int q_local, int k_local) const {
-        return k_local < key_room && (!CAUSAL || k_local - q_local <= diagonal);
+        const int off = k_local - q_local;
+        return k_local < key_room && off >= diag_lo && off <= diag_hi;
     }
     __device__ __forceinline__ static i64 clamp_small(i64 x) {
         return x > (1 << 30) ? (1 << 30) : (x < -(1 << 30) ? -(1 << 30) : x);
     }
 };
+
+// The inner tiles one CTA visits, in order: a dense range, or (SPARSE) a slice of its
+// block-sparse list, clipped to the band either way. Dense variants carry no list at all, so
+// block sparsity costs the dense kernels no registers.
+template <bool SPARSE>
+struct TileList {
+    const int* entries;  // SPARSE: this CTA's list; tile i = entries[i] without the flag
+    int first, count;    // dense: tile i = first + i
+    int mask_batch;      // SPARSE: which slice of the block mask
+
+    // outer: this CTA's tile on its own axis; [band_first, band_end) its band on the other
+    // axis in elements (< 2^31), visited in tiles of `inner` elements.
+    __device__ __forceinline__ static TileList make(const FwdParams& p, i64 bidx, int outer,
+                                                    i64 band_first, i64 band_end, int inner) {
+        TileList t;
+        const int lo = (int)band_first / inner;
+        const int hi = band_end > band_first ? ((int)band_end + inner - 1) / inner : lo;
+        t.entries = nullptr;
+        t.first = lo;
+        t.count = hi - lo;
+        t.mask_batch = 0;
+        if constexpr (SPARSE) {
+            // lead_offset in 32 bits (a 64-bit division is a called subroutine)
+            u32 flat = (u32)bidx, mb = 0;
+#pragma unroll
+            for (int i = kMaxLead - 1; i >= 0; --i) {
+                const u32 n = (u32)p.lead_shape[i];
+                mb += (flat % n) * (u32)p.mask_lead_stride[i];
+                flat /= n;
+            }
+            t.mask_batch = (int)mb;
+            const i64 row = (i64)mb * p.n_outer + outer;
+            const int* list = p.tile_lists + row * p.list_stride;
+            int b = 0, e = p.tile_counts[row];  // the list is ascending: drop tiles outside [lo, hi)
+            while (b < e && (list[b] & ~kPartialTile) < lo) ++b;
+            while (e > b && (list[e - 1] & ~kPartialTile) >= hi) --e;
+            t.entries = list + b;
+            t.first = 0;
+            t.count = e - b;
+        }
+        return t;
+    }
+    __device__ __forceinline__ int tile(int i) const {
+        if constexpr (SPARSE) return entries[i] & ~kPartialTile;
+        return first + i;
+    }
+    __device__ __forceinline__ bool partial(int i) const {
+        if constexpr (SPARSE) return (entries[i] & kPartialTile) != 0;
+        return false;
+    }
+    // For a partial tile: is the block holding (query q < nq, key k < nk) present?
+    __device__ __forceinline__ bool block_present(const FwdParams& p, i64 q, i64 k) const {
+        const int tq = (int)p.mask_tq, tk = (int)p.mask_tk;
+        const int bq = (int)q / (int)p.block_q, bk = (int)k / (int)p.block_k;
+        return p.blocks[((i64)mask_batch * tq + bq) * tk + bk] != 0;
+    }
+};
+
+// The key tiles (of bc keys) a CTA of queries [q0, q_end) visits, and the query tiles (of br
+// queries) a CTA of keys [k0, k0 + bc) visits.
+template <bool SPARSE>
+__device__ __forceinline__ TileList<SPARSE> key_tiles(const FwdParams& p, const Band& band, i64 bidx, int outer,
+                                                      i64 q0, i64 q_end, int bc) {
+    i64 first, end;
+    band.keys_of(q0, q_end, p.nk, first, end);
+    return TileList<SPARSE>::make(p, bidx, outer, first, end, bc);
+}
+template <bool SPARSE>
+__device__ __forceinline__ TileList<SPARSE> query_tiles(const FwdParams& p, const Band& band, i64 bidx, int outer,
+                                                        i64 k0, int bc, int br) {
+    i64 first, end;
+    band.queries_of(k0, k0 + bc < p.nk ? k0 + bc : p.nk, p.nq, first, end);
+    return TileList<SPARSE>::make(p, bidx, outer, first, end, br);
+}
+
+// The whole test for one pair, for kernels that check every pair (the float32 ones).
+template <bool SPARSE>
+__device__ __forceinline__ bool pair_allowed(const FwdParams& p, const Band& band, const TileList<SPARSE>& tiles,
+                                             bool partial, i64 q, i64 k) {
+    if (q >= p.nq || k >= p.nk || !band.allows(q, k)) return false;
+    return !partial || tiles.block_present(p, q, k);
+}
 
 }  // namespace cuflash

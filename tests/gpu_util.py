@@ -34,13 +34,14 @@ def max_err(a, b):
     return float(np.max(np.abs(a - b), initial=0.0))
 
 
-def check_forward(out, q, k, v, *, causal, scale=None, dtype):
+def check_forward(out, q, k, v, *, causal, scale=None, dtype, mask=None):
     """The kernel's o against float64 within 2x plain attention in dtype; l and m to fp32.
 
     q, k, v: host arrays (in dtype) the kernel saw. out: the AttentionOutput from cuflash.
+    mask: the element mask (True = allowed) the kernel applied besides causal, if any.
     """
     o, l, m = (to_host64(x) for x in out)
-    exact = ref.standard_attention(q, k, v, causal=causal, scale=scale)
+    exact = ref.standard_attention(q, k, v, causal=causal, scale=scale, mask=mask)
     assert o.shape == exact.o.shape and l.shape == exact.l.shape and m.shape == exact.m.shape
     assert not np.isnan(o).any(), "NaN in o (unwritten output or bad masking)"
     assert not np.isnan(l).any() and not np.isnan(m).any(), "NaN in l or m"
@@ -49,7 +50,7 @@ def check_forward(out, q, k, v, *, causal, scale=None, dtype):
         rel = np.linalg.norm(o - exact.o) / max(np.linalg.norm(exact.o), 1e-30)
         assert rel < 1e-5, f"float32 relative error {rel:.3g}"
     else:
-        plain = ref.lowp_attention(q, k, v, dtype=dtype, causal=causal, scale=scale)
+        plain = ref.lowp_attention(q, k, v, dtype=dtype, causal=causal, scale=scale, mask=mask)
         bound = 2 * max_err(plain.o, exact.o) + 1e-6
         assert err <= bound, f"max |o - ref| = {err:.3g} > 2 x plain {dtype} error ({bound:.3g})"
     empty = np.isneginf(exact.m)
@@ -61,12 +62,13 @@ def check_forward(out, q, k, v, *, causal, scale=None, dtype):
     return err
 
 
-def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype):
+def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype, mask=None):
     """dq, dk, dv against float64 within 3x plain attention's gradients in dtype (float32:
-    1e-5 relative). Returns the kernel's max errors."""
+    1e-5 relative). mask as in check_forward. Returns the kernel's max errors."""
     got = [to_host64(x) for x in grads]
-    exact = ref.standard_attention_backward(do, q, k, v, causal=causal, scale=scale)
-    plain = None if dtype == "float32" else ref.lowp_attention_backward(do, q, k, v, dtype=dtype, causal=causal, scale=scale)
+    options = dict(causal=causal, scale=scale, mask=mask)
+    exact = ref.standard_attention_backward(do, q, k, v, **options)
+    plain = None if dtype == "float32" else ref.lowp_attention_backward(do, q, k, v, dtype=dtype, **options)
     errors = []
     # float32: elementwise, against the gradient's own largest entry, or a tenth of the largest
     # entry of all three. Some gradients are exactly 0 (one key per row: softmax is constant)

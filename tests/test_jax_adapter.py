@@ -1,4 +1,5 @@
-"""cuflash.jax: eager, jit, grad and vmap against a float64 NumPy reference (GPU + JAX only).
+"""cuflash.jax: eager, jit, grad and vmap against a float64 NumPy reference (GPU + JAX), and
+trace-time checks and shapes (JAX alone).
 
 Error bounds: the forward within 2x, gradients within 3x, of what plain jnp attention in the
 same dtype gets wrong against the float64 reference.
@@ -27,7 +28,7 @@ def _jax_has_gpu():
         return False
 
 
-pytestmark = pytest.mark.skipif(not (HAS_GPU and _jax_has_gpu()), reason="needs JAX with a CUDA GPU")
+gpu = pytest.mark.skipif(not (HAS_GPU and _jax_has_gpu()), reason="needs JAX with a CUDA GPU")
 
 # (name, lead_q, lead_kv, Nq, Nk, d, dv, causal)
 CASES = (
@@ -67,10 +68,10 @@ def jnp_attention(q, k, v, causal, scale=None):
     return p @ v
 
 
-def cuflash_attention(q, k, v, causal, scale=None, deterministic=False):
+def cuflash_attention(q, k, v, causal, scale=None, deterministic=False, **sparsity):
     import cuflash.jax
 
-    return cuflash.jax.attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic)
+    return cuflash.jax.attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic, **sparsity)
 
 
 def loss_of(attend, w, causal):
@@ -82,6 +83,7 @@ def loss_of(attend, w, causal):
     return loss
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_forward(case, dtype, rng):
@@ -100,6 +102,7 @@ def test_forward(case, dtype, rng):
     assert err <= bound, f"max |o - ref| {err:.3g} > {bound:.3g}"
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_gradients_eager_and_jit(case, dtype, rng):
@@ -117,6 +120,7 @@ def test_gradients_eager_and_jit(case, dtype, rng):
             assert err <= bound, f"{mode} d{name}: max err {err:.3g} > 3 x jnp's {baseline:.3g}"
 
 
+@gpu
 def test_jit_with_surrounding_ops(rng):
     """Inside one compiled program with other work before and after, results unchanged."""
     q, k, v, w, causal = host_inputs(rng, CASES[3], "bfloat16")
@@ -131,6 +135,7 @@ def test_jit_with_surrounding_ops(rng):
     assert np.array_equal(np.asarray(f(q, k, v)), np.asarray(expected))
 
 
+@gpu
 def test_vmap(rng):
     """vmap over q alone: same as one call with the extra leading dim; grads per example."""
     q, k, v, _, causal = host_inputs(rng, CASES[2], "float16")
@@ -150,6 +155,7 @@ def test_vmap(rng):
             np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
+@gpu
 def test_deterministic_gradients(rng):
     q, k, v, w, causal = host_inputs(rng, CASES[2], "bfloat16")
     args = tuple(jnp.asarray(x) for x in (q, k, v))
@@ -169,3 +175,78 @@ def test_bad_arguments_fail_at_trace_time():
         cuflash_attention(q, q, q[..., :12], False)
     with pytest.raises(ValueError, match="scale"):
         cuflash_attention(q, q, q, False, scale=-1.0)
+
+
+# ---- block masks and windows -----------------------------------------------------------------
+
+
+def sparse_inputs(rng, dtype, nq=300, nk=200, bs=(64, 32)):
+    """Grouped heads (4 on 2) with a per-head random block mask; head 1 sees nothing."""
+    from cuflash import masks
+
+    blocks = np.random.default_rng(1).random((4, -(-nq // bs[0]), -(-nk // bs[1]))) < 0.4
+    blocks[1] = False
+    q = random_array(rng, (2, 4, nq, 64), dtype)
+    k = random_array(rng, (2, 2, nk, 64), dtype)
+    v = random_array(rng, (2, 2, nk, 32), dtype)
+    w = random_array(rng, (2, 4, nq, 32), dtype)
+    return q, k, v, w, masks.BlockMask.from_dense(blocks, bs)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window", ((False, None), (True, (50, 0)), (False, (-1, 20))))
+def test_block_mask_forward_and_gradients(dtype, causal, window, rng):
+    q, k, v, w, mask = sparse_inputs(rng, dtype)
+    args = tuple(jnp.asarray(x) for x in (q, k, v))
+    element = ref.element_mask(q.shape[-2], k.shape[-2], block_mask=mask, window=window)
+
+    def attend(q, k, v, causal):
+        return cuflash_attention(q, k, v, causal, block_mask=mask, window=window)
+
+    o = np.asarray(jax.jit(lambda *a: attend(*a, causal))(*args)).astype(np.float64)
+    exact = ref.standard_attention(q, k, v, causal=causal, mask=element)
+    lowp = ref.lowp_attention(q, k, v, dtype=dtype, causal=causal, mask=element)
+    assert max_err(o, exact.o) <= 2 * max_err(lowp.o, exact.o) + 1e-6
+    assert (o[:, 1] == 0).all()
+    grads = jax.jit(jax.grad(loss_of(attend, w, causal), argnums=(0, 1, 2)))(*args)
+    exact = ref.standard_attention_backward(w, q, k, v, causal=causal, mask=element)
+    lowp = ref.lowp_attention_backward(w, q, k, v, dtype=dtype, causal=causal, mask=element)
+    for name, g, e, p in zip("qkv", grads, exact, lowp):
+        err, bound = max_err(np.asarray(g).astype(np.float64), e), 3 * max_err(p, e) + 1e-6
+        assert err <= bound, f"d{name}: {err:.3g} > {bound:.3g}"
+
+
+def test_block_mask_shapes_without_a_gpu():
+    """Shape inference and differentiation trace with a mask and a window (no kernel runs)."""
+    q, k, v, _, mask = sparse_inputs(np.random.default_rng(0), "bfloat16")
+
+    def loss(q, k, v):
+        return cuflash_attention(q, k, v, True, block_mask=mask, window=(5, 0)).astype(jnp.float32).sum()
+
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    assert jax.eval_shape(loss, *specs).shape == ()
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), *specs)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    # A boolean array is converted once: equal arrays are one BlockMask, hence one trace.
+    import cuflash
+
+    blocks = mask.to_dense()
+    assert cuflash._api.as_block_mask(blocks, (64, 32)) is cuflash._api.as_block_mask(blocks.copy(), (64, 32))
+    out = jax.eval_shape(lambda q, k, v: cuflash_attention(q, k, v, False, block_mask=blocks, block_size=(64, 32)), *specs)
+    assert out.shape == (2, 4, 300, 32)
+
+
+def test_bad_block_mask_fails_at_trace_time():
+    from cuflash import masks
+
+    q = jax.ShapeDtypeStruct((2, 4, 100, 64), jnp.float16)
+    with pytest.raises(ValueError, match=r"Nq=100 needs ceil\(100/32\) = 4 query blocks, the mask has Tq=3"):
+        jax.eval_shape(lambda q: cuflash_attention(q, q, q, False, block_mask=masks.dense(3, block_size=32)), q)
+    with pytest.raises(ValueError, match=r"\(3,\).*\(2, 4\)"):
+        bm = masks.BlockMask.from_dense(np.ones((3, 4, 4), bool), 32)
+        jax.eval_shape(lambda q: cuflash_attention(q, q, q, False, block_mask=bm), q)
+    with pytest.raises(ValueError, match="window right"):
+        jax.eval_shape(lambda q: cuflash_attention(q, q, q, False, window=(1, -5)), q)
+    with pytest.raises(ValueError, match="differs from the block size"):
+        cuflash_attention(q, q, q, False, block_mask=masks.dense(4, block_size=32), block_size=16)

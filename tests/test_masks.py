@@ -1,7 +1,10 @@
-"""CPU tests of cuflash.masks (BlockMask, patterns, sliding windows) and the block-sparse reference."""
+"""CPU tests of cuflash.masks (BlockMask, patterns, sliding windows, the kernels' tile lists) and the
+block-sparse reference (forward and backward)."""
 
 import doctest
+import gc
 import itertools
+import re
 import struct
 import zlib
 
@@ -473,16 +476,37 @@ def oracle(q, k, v, bm, *, causal=False, scale=None, window=None):
     return ref.standard_attention(q, k, v, causal=causal, scale=scale, mask=mask)
 
 
+def assert_grads_close(got, want):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def sparse_forward_backward(q, k, v, do, bm, **kwargs):
+    o, l, m = ref.block_sparse_forward_tiled(q, k, v, bm, **kwargs)
+    return ref.block_sparse_backward_tiled(do, q, k, v, o, l, m, bm, **kwargs)
+
+
+def analytic_grads(do, q, k, v, bm, *, causal=False, scale=None, window=None):
+    mask = ref.element_mask(q.shape[-2], k.shape[-2], block_mask=bm, window=window)
+    return ref.standard_attention_backward(do, q, k, v, causal=causal, scale=scale, mask=mask)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_block_sparse_matches_oracle_for_every_pattern(name, causal):
+    """Forward against the materialised oracle, backward against the analytic gradient."""
     factory = PATTERNS[name][0]
     for bs, nq, nk in GEOMETRIES:
         rng = rng_for("pattern", name, causal, bs)
         q, k, v = rng.standard_normal((2, nq, 8)) * 1.5, rng.standard_normal((2, nk, 8)) * 1.5, rng.standard_normal((2, nk, 5))
+        do = rng.standard_normal((2, nq, 5))
         bm = factory(8, bs)
         got = ref.block_sparse_forward_tiled(q, k, v, bm, causal=causal, scale=0.3)
         assert_outputs_close(got, oracle(q, k, v, bm, causal=causal, scale=0.3))
+        grads = ref.block_sparse_backward_tiled(do, q, k, v, *got, bm, causal=causal, scale=0.3)
+        assert_grads_close(grads, analytic_grads(do, q, k, v, bm, causal=causal, scale=0.3))
 
 
 def test_dense_block_mask_equals_flash_forward_tiled():
@@ -609,3 +633,219 @@ def test_block_sparse_argument_errors():
         ref.block_sparse_forward_tiled(q, k, v, M.dense(2, block_size=16), window=(1, 2, 3))
     with pytest.raises(ValueError, match="window left"):
         ref.block_sparse_forward_tiled(q, k, v, M.dense(2, block_size=16), window=(-5, 2))
+
+
+# --------------------------------------------------------------------------
+# Per-tile lists for the kernels
+# --------------------------------------------------------------------------
+
+
+def brute_tile_lists(bm, nq, nk, tile_rows, tile_cols, transpose, causal, window):
+    """Element by element: for every (query tile, key tile) the set of elements in it, and
+    whether it is listed / partial by the definition in BlockMask.tile_lists."""
+    elements = bm.to_elements(nq, nk).reshape((-1, nq, nk))
+    band = ref.allowed_keys(nq, nk, causal=causal, mask=M.sliding_window(nq, nk, *(window or (-1, -1))))
+    n_qt, n_kt = -(-nq // tile_rows), -(-nk // tile_cols)
+    outer, inner = (n_kt, n_qt) if transpose else (n_qt, n_kt)
+    lists = [[[] for _ in range(outer)] for _ in range(elements.shape[0])]
+    for b in range(elements.shape[0]):
+        for t in range(outer):
+            for u in range(inner):
+                r, c = (u, t) if transpose else (t, u)
+                rows, cols = slice(r * tile_rows, (r + 1) * tile_rows), slice(c * tile_cols, (c + 1) * tile_cols)
+                present = elements[b, rows, cols]
+                if present.any() and band[rows, cols].any():
+                    lists[b][t].append(u | (0 if present.all() else M.PARTIAL_TILE))
+    return lists
+
+
+def check_tile_lists(tiles, want, blocks):
+    mb, outer = len(want), len(want[0])
+    assert tiles.counts.dtype == np.int32 and tiles.lists.dtype == np.int32 and tiles.blocks.dtype == np.uint8
+    assert tiles.counts.shape == (mb, outer) and tiles.lists.shape[:2] == (mb, outer)
+    assert tiles.n_outer == outer and tiles.list_stride == max([1] + [len(x) for row in want for x in row])
+    assert all(a.flags.c_contiguous and not a.flags.writeable for a in tiles)
+    np.testing.assert_array_equal(tiles.blocks, blocks.reshape((-1,) + blocks.shape[-2:]))
+    for b in range(mb):
+        for t in range(outer):
+            count = tiles.counts[b, t]
+            assert count == len(want[b][t])
+            row = tiles.lists[b, t]
+            assert row[:count].tolist() == want[b][t], (b, t)
+            assert np.all(row[count:] == (row[count - 1] if count else 0))  # padding repeats the last entry
+
+
+TILE_CASES = (
+    # (block size, nq, nk, tile_rows, tile_cols): tiles that divide blocks, blocks that divide
+    # tiles, neither, ragged ends and Nq != Nk.
+    ((16, 16), 100, 100, 32, 8),
+    ((16, 24), 75, 130, 8, 40),
+    ((24, 16), 130, 75, 48, 48),
+    ((7, 9), 50, 44, 5, 11),
+    ((32, 32), 1, 70, 16, 64),
+)
+
+
+@pytest.mark.parametrize("transpose", (False, True), ids=("query-major", "transposed"))
+@pytest.mark.parametrize("case", TILE_CASES, ids=[str(c) for c in TILE_CASES])
+def test_tile_lists_match_brute_force(case, transpose):
+    bs, nq, nk, tile_rows, tile_cols = case
+    tq, tk = -(-nq // bs[0]), -(-nk // bs[1])
+    rng = rng_for("tile-lists", case)
+    for batch in ((), (2, 3)):
+        blocks = rng.random(batch + (tq, tk)) < 0.5
+        blocks[..., 0, :] = False  # an empty block row
+        bm = M.BlockMask.from_dense(blocks, bs)
+        for causal, window in ((False, None), (True, None), (False, (9, 4)), (True, (-1, 20)), (False, (0, -1))):
+            tiles = bm.tile_lists(nq, nk, tile_rows, tile_cols, transpose=transpose, causal=causal, window=window)
+            want = brute_tile_lists(bm, nq, nk, tile_rows, tile_cols, transpose, causal, window)
+            check_tile_lists(tiles, want, blocks)
+
+
+def test_tile_lists_of_a_dense_mask_and_an_empty_one():
+    full = M.dense(4, n_k_blocks=3, block_size=(16, 32)).tile_lists(64, 96, 32, 16)
+    np.testing.assert_array_equal(full.counts, [[6, 6]])
+    np.testing.assert_array_equal(full.lists, [[range(6), range(6)]])  # no flags: nothing to look up
+    empty = M.BlockMask.from_dense(np.zeros((2, 4, 3), bool), (16, 32)).tile_lists(64, 96, 32, 16, transpose=True)
+    assert empty.counts.shape == (2, 6) and not empty.counts.any()
+    assert empty.lists.shape == (2, 6, 1) and not empty.lists.any()
+    no_keys = M.BlockMask.from_dense(np.ones((2, 3, 0), bool), 16).tile_lists(40, 0, 32, 16)
+    assert no_keys.counts.shape == (2, 2) and not no_keys.counts.any() and no_keys.blocks.shape == (2, 3, 0)
+
+
+def test_tile_lists_are_cached_and_keys_normalised():
+    bm = M.butterfly(8, block_size=16)
+    a = bm.tile_lists(128, 128, 32, 16, window=None)
+    assert bm.tile_lists(128, 128, 32, 16, window=(-1, -1)) is a  # (-1, -1) is no window
+    assert bm.tile_lists(128, 128, 32, 16, transpose=True) is not a
+    assert bm.tile_lists(120, 128, 32, 16) is not a
+    for i in range(2 * M._MAX_CACHED_LISTS):  # the cache stays bounded
+        bm.tile_lists(128, 128, 8 + i, 16)
+    assert len(bm._host_lists) <= M._MAX_CACHED_LISTS
+
+
+def test_tile_lists_argument_errors():
+    bm = M.butterfly(4, block_size=16)
+    with pytest.raises(ValueError, match=r"Nq=100.*Tq=4"):
+        bm.tile_lists(100, 64, 32, 32)
+    with pytest.raises(ValueError, match="tile_rows"):
+        bm.tile_lists(64, 64, 0, 32)
+    with pytest.raises(ValueError, match="window left"):
+        bm.tile_lists(64, 64, 32, 32, window=(-2, 0))
+
+
+def test_tile_lists_at_64k_are_fast():
+    """Block level only: 64k tokens in 128-blocks (512 x 512), per-head masks."""
+    import time
+
+    bm = M.BlockMask.from_dense(rng_for("64k").random((8, 512, 512)) < 0.1, 128)
+    start = time.perf_counter()
+    fwd = bm.tile_lists(65536, 65536, 128, 64, causal=True)
+    bwd = bm.tile_lists(65536, 65536, 64, 128, transpose=True, causal=True)
+    assert time.perf_counter() - start < 5.0
+    assert fwd.counts.shape == (8, 512) and bwd.counts.shape == (8, 512)
+    # Tiles that nest inside the blocks never straddle two: no flags. Causal keeps both
+    # 64-key halves of every present block on or below the diagonal.
+    assert not (fwd.lists & M.PARTIAL_TILE).any() and not (bwd.lists & M.PARTIAL_TILE).any()
+    assert fwd.counts.sum() == 2 * np.tril(bm.to_dense()).sum()
+
+
+def test_partial_tile_flag_matches_the_kernel_header():
+    from cuflash import _loader
+
+    header = (_loader.KERNEL_DIR / "common.cuh").read_text()
+    match = re.search(r"constexpr int kPartialTile = ([^;]+);", header)
+    assert match, "kPartialTile not found in kernels/common.cuh"
+    assert eval(match.group(1), {}) == M.PARTIAL_TILE  # a literal such as 1 << 30
+
+
+def test_tokens_name_live_masks():
+    a, b = M.dense(2), M.butterfly(2)
+    assert a.token != b.token and M.BlockMask.from_token(b.token) is b
+    assert (a | b).token not in (a.token, b.token)
+    token = a.token
+    del a
+    gc.collect()
+    with pytest.raises(LookupError, match=f"token {token}.*garbage-collected"):
+        M.BlockMask.from_token(token)
+
+
+# --------------------------------------------------------------------------
+# Block-sparse backward reference against the analytic gradient
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_backward_with_windows_and_grouped_heads(causal):
+    rng = rng_for("backward-window", causal)
+    nq, nk, bs = 70, 45, (16, 8)  # 5 x 6 blocks, ragged, Nq > Nk
+    q = rng.standard_normal((2, 4, nq, 8))
+    k = rng.standard_normal((2, 2, nk, 8))  # grouped heads
+    v = rng.standard_normal((1, 2, nk, 6))  # broadcast over batch
+    do = rng.standard_normal((2, 4, nq, 6))
+    per_head = rng.random((4, 5, 6)) < 0.5
+    per_head[2] = False  # a head that sees nothing: zero gradients from it
+    bm = M.BlockMask.from_dense(per_head, bs)
+    for window in (None, (-1, 0), (0, 0), (7, 3), (-1, 11), (20, -1)):
+        got = sparse_forward_backward(q, k, v, do, bm, causal=causal, window=window)
+        assert [g.shape for g in got] == [q.shape, k.shape, v.shape]
+        assert_grads_close(got, analytic_grads(do, q, k, v, bm, causal=causal, window=window))
+    dq = sparse_forward_backward(q, k, v, do, bm, causal=causal)[0]
+    assert np.all(dq[:, 2] == 0)
+
+
+def test_block_sparse_backward_never_reads_absent_tiles():
+    """NaN in Q rows / K, V columns that only absent tiles cover, as in the forward test."""
+    rng = rng_for("backward-poison")
+    bs, nq, nk = (16, 16), 70, 90
+    blocks = rng.random((5, 6)) < 0.5
+    blocks[1] = False
+    blocks[:, 3] = False
+    bm = M.BlockMask.from_dense(blocks, bs)
+    q, k, v = rng.standard_normal((nq, 8)), rng.standard_normal((nk, 8)), rng.standard_normal((nk, 4))
+    do = rng.standard_normal((nq, 4))
+    want = analytic_grads(do, q, k, v, bm)
+    o, l, m = ref.block_sparse_forward_tiled(q, k, v, bm)
+    q[16:32], k[48:64], v[48:64], do[16:32] = np.nan, np.nan, np.inf, np.nan
+    dq, dk, dv = ref.block_sparse_backward_tiled(do, q, k, v, o, l, m, bm)
+    keep = np.ones(nq, bool)
+    keep[16:32] = False
+    keys = np.ones(nk, bool)
+    keys[48:64] = False
+    np.testing.assert_allclose(dq[keep], want[0][keep], rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(dk[keys], want[1][keys], rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(dv[keys], want[2][keys], rtol=1e-9, atol=1e-11)
+    assert np.all(dq[16:32] == 0)  # query block 1: never loaded
+    assert np.all(dk[48:64] == 0) and np.all(dv[48:64] == 0)  # key block 3: never loaded
+
+
+def test_block_sparse_backward_argument_errors():
+    x = np.ones((20, 4))
+    with pytest.raises(TypeError, match="BlockMask"):
+        ref.block_sparse_backward_tiled(x, x, x, x, x, x[:, 0], x[:, 0], np.ones((2, 2), bool))
+    with pytest.raises(ValueError, match=r"Nq=20.*Tq=2"):
+        ref.block_sparse_backward_tiled(x, x, x, x, x, x[:, 0], x[:, 0], M.dense(2, block_size=(8, 16)))
+
+
+def test_device_lists_are_uploaded_once_per_device(monkeypatch):
+    """The GPU copies, with the upload replaced by a NumPy copy that counts its calls."""
+    pytest.importorskip("cupy")
+    uploads = []
+
+    def fake_upload(arrays, device_id):
+        uploads.append((device_id, len(arrays)))
+        return tuple(np.array(a) for a in arrays)
+
+    monkeypatch.setattr(M, "_upload", fake_upload)
+    bm = M.random(8, 0.3, seed=4, block_size=(16, 32))
+    a = bm.device_tile_lists(128, 256, 32, 64, device=0)
+    assert uploads == [(0, 1), (0, 2)]  # the block bytes, then counts and lists
+    assert bm.device_tile_lists(128, 256, 32, 64, device=0, window=(-1, -1)) is a
+    assert not bm._host_lists  # the host lists were not kept
+    b = bm.device_tile_lists(128, 256, 32, 64, transpose=True, device=0)
+    c = bm.device_tile_lists(128, 256, 32, 64, device=1)
+    assert uploads[2:] == [(0, 2), (1, 1), (1, 2)]  # the block bytes once per device
+    assert b.blocks is a.blocks and c.blocks is not a.blocks
+    host = bm.tile_lists(128, 256, 32, 64)
+    for got, want in zip(a, host):
+        np.testing.assert_array_equal(got, want)

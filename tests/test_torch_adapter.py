@@ -254,3 +254,155 @@ def test_fake_shapes_on_meta_device():
     o, l, m = torch.ops.cuflash.attention_fwd(qt, qt, qt, False, None)
     dq, _, _ = torch.ops.cuflash.attention_bwd(o, qt, qt, qt, o, l, m, False, None)
     assert dq.shape == qt.shape and dq.is_contiguous() and not qt.is_contiguous()
+
+
+# ---- block masks and windows -----------------------------------------------------------------
+
+
+def sparse_case(nq=300, nk=200, bs=(64, 32)):
+    """A per-head random block mask (one head sees nothing) on (B, H, N, d) = (2, 4, ., 64)."""
+    from cuflash import masks
+
+    tq, tk = -(-nq // bs[0]), -(-nk // bs[1])
+    blocks = np.random.default_rng(0).random((4, tq, tk)) < 0.4
+    blocks[1] = False
+    return masks.BlockMask.from_dense(blocks, bs), nq, nk
+
+
+def masked_reference(q, k, v, w, mask, causal, window):
+    args = [host64(x) for x in (q, k, v)]
+    element = ref.element_mask(q.shape[-2], k.shape[-2], block_mask=mask, window=window)
+    exact = ref.standard_attention(*args, causal=causal, mask=element)
+    grads = ref.standard_attention_backward(host64(w), *args, causal=causal, mask=element)
+    lowp = ref.lowp_attention(*args, dtype="bfloat16", causal=causal, mask=element)
+    lowp_grads = ref.lowp_attention_backward(host64(w), *args, dtype="bfloat16", causal=causal, mask=element)
+    return exact, grads, lowp, lowp_grads
+
+
+@gpu
+@pytest.mark.parametrize("causal,window", ((False, None), (True, None), (False, (40, 7)), (True, (-1, 0))))
+def test_block_mask_forward_and_gradients(causal, window):
+    mask, nq, nk = sparse_case()
+    q = make((2, 4, nq, 64), torch.bfloat16, "bnhd", requires_grad=True)
+    k = make((2, 2, nk, 64), torch.bfloat16, "bhnd", requires_grad=True)  # grouped heads
+    v = make((2, 2, nk, 64), torch.bfloat16, "bhnd", requires_grad=True)
+    w = torch.randn(2, 4, nq, 64, device="cuda", dtype=torch.bfloat16)
+    o = ct.attention(q, k, v, causal=causal, block_mask=mask, window=window)
+    got = torch.autograd.grad(o, (q, k, v), grad_outputs=w)
+    exact, grads, lowp, lowp_grads = masked_reference(q, k, v, w, mask, causal, window)
+    err, bound = np.abs(host64(o) - exact.o).max(), 2 * np.abs(lowp.o - exact.o).max() + 1e-6
+    assert err <= bound, f"o: {err:.3g} > {bound:.3g}"
+    assert (host64(o)[:, 1] == 0).all()  # the head with no block
+    for name, g, e, p in zip("qkv", got, grads, lowp_grads):
+        err, bound = np.abs(host64(g) - e).max(), 3 * np.abs(p - e).max() + 1e-6
+        assert err <= bound, f"d{name}: {err:.3g} > {bound:.3g}"
+
+
+@gpu
+def test_block_mask_as_boolean_tensor_and_inline_mask():
+    from cuflash import masks
+
+    mask, nq, nk = sparse_case()
+    q = make((2, 4, nq, 64), torch.float16, "bhnd", requires_grad=True)
+    k = make((2, 4, nk, 64), torch.float16, "bhnd")
+    blocks = torch.from_numpy(mask.to_dense()).cuda()
+    expected = ct.attention(q, k, k, block_mask=mask)
+    assert torch.equal(ct.attention(q, k, k, block_mask=blocks, block_size=(64, 32)), expected)
+    # A mask made inline for one call lives until the backward pass has used it.
+    o = ct.attention(q, k, k, block_mask=masks.BlockMask.from_dense(mask.to_dense(), (64, 32)))
+    import gc
+
+    gc.collect()
+    (dq,) = torch.autograd.grad(o, (q,), grad_outputs=torch.ones_like(o))
+    (expected_dq,) = torch.autograd.grad(expected, (q,), grad_outputs=torch.ones_like(o))
+    assert torch.equal(dq, expected_dq)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bfloat16", "float32"))
+def test_opcheck_with_block_mask(dtype):
+    mask, nq, nk = sparse_case(100, 80, (32, 16))
+    q = make((2, 4, nq, 64), dtype, "bnhd", requires_grad=True)
+    k = make((2, 4, nk, 64), dtype, "bhnd", requires_grad=True)
+    v = make((2, 4, nk, 32), dtype, "bhnd", requires_grad=True)
+    args = (q, k, v, True, None, mask.token, 30, 2)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, args)
+    with torch.no_grad():
+        o, l, m = torch.ops.cuflash.attention_fwd(*args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
+                          (do, q.detach(), k.detach(), v.detach(), o, l, m) + args[3:])
+
+
+@gpu
+def test_compiled_training_step_with_block_mask():
+    from cuflash import masks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mask = masks.local(2, 1, block_size=64) | masks.global_tokens(2, 1, block_size=64)
+
+    def attend(q, k, v):
+        return ct.attention(q, k, v, causal=True, block_mask=mask, window=(70, 0))
+
+    eager = TinyAttention(attend).cuda()
+    model = TinyAttention(attend).cuda()
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 128, 256, device="cuda")
+    losses = []
+    for net in (compiled, eager):
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    for p, pe in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, pe.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_fake_shapes_with_block_mask_on_meta_device():
+    mask, nq, nk = sparse_case()
+    q = torch.empty(2, 4, nq, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, nk, 64, device="meta", dtype=torch.bfloat16)
+    o, l, m = torch.ops.cuflash.attention_fwd(q, k, k, True, None, mask.token, 10, -1)
+    assert o.shape == (2, 4, nq, 64) and l.shape == (2, 4, nq)
+    dq, dk, dv = torch.ops.cuflash.attention_bwd(o, q, k, k, o, l, m, True, None, mask.token, 10, -1)
+    assert (dq.shape, dk.shape) == (q.shape, k.shape)
+
+
+def test_compile_passes_the_mask_as_a_token():
+    """torch.compile(fullgraph=True) traces the adapter with a BlockMask and a window into the
+    forward and backward graphs (on the meta device: the operators' fake implementations)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {"forward": [], "backward": []}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm.code)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    torch._dynamo.reset()
+    mask, nq, nk = sparse_case()
+    other, _, _ = sparse_case()
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def loss(q, k, v, mask):
+        return ct.attention(q, k, v, causal=True, block_mask=mask, window=(33, 4)).float().sum()
+
+    for m in (mask, other):
+        q = torch.empty(2, 4, nq, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, 2, nk, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        dq, dk, _ = torch.autograd.grad(loss(q, k, k, m), (q, k, k))
+        assert dq.shape == q.shape and dk.shape == k.shape
+    # The first graphs have the first mask's token baked in; after a second mask, the token
+    # becomes a graph input (an int), so further masks reuse the graph.
+    assert f"attention_fwd.default(primals_1, primals_2, primals_2, True, None, {mask.token}, 33, 4)" in graphs["forward"][0]
+    assert f"True, None, {mask.token}, 33, 4)" in graphs["backward"][0]
+    assert "attention_bwd.default(" in graphs["backward"][-1] and "33, 4)" in graphs["backward"][-1]
+    assert len(graphs["forward"]) == 2
+    with pytest.raises(TypeError, match="boolean array"):
+        ct.attention(q, k, k, block_mask="not a mask")

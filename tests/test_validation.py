@@ -1,5 +1,7 @@
 """Argument checking. The metadata checks run on the CPU; the rest need a GPU."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,149 @@ class TestOnGpu:
         q, k, v = self.arrays((16, 64), (16, 64), (16, 64))
         with pytest.raises(TypeError, match="scale must be a real number"):
             cuflash.attention(q, k, v, scale="big")
+
+
+# ---- the parameter blocks against kernels/common.cuh ----------------------------------------
+
+
+def header_field_kinds(struct_name):
+    """Per 8-byte member of a struct in kernels/common.cuh: 'Q' pointer, 'd' double, 'q' i64."""
+    import re
+
+    from cuflash import _loader
+
+    text = (_loader.KERNEL_DIR / "common.cuh").read_text()
+    body = re.search(r"struct %s \{(.*?)\n\};" % struct_name, text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    kinds = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        if "*" in decl:
+            kind, names = "Q", decl.rsplit("*", 1)[1]
+        else:
+            type_name, names = decl.split(None, 1)
+            kind = "d" if type_name == "double" else "q"
+        for name in names.split(","):
+            dims = re.search(r"\[(\w+)\]", name)
+            count = 1 if dims is None else (_api.MAX_LEAD_DIMS if dims.group(1) == "kMaxLead" else int(dims.group(1)))
+            kinds += [kind] * count
+    return "".join(kinds)
+
+
+def test_param_formats_match_the_header():
+    assert _api._FWD_PARAM_FORMAT[1:] == header_field_kinds("FwdParams")
+    assert _api._BWD_PARAM_FORMAT[1:] == header_field_kinds("BwdParams")
+    # A dense launch: window (-1, -1), then null lists and zero sizes / strides.
+    assert _api._DENSE_SPARSITY == (-1, -1) + (0,) * 13
+    assert len(_api._DENSE_SPARSITY) == len(header_field_kinds("FwdParams").split("dd", 1)[1])
+
+
+# ---- block masks and windows ---------------------------------------------------------------
+
+
+def test_check_sparsity_accepts_masks_arrays_and_windows():
+    from cuflash import masks
+
+    bm = masks.butterfly(8, block_size=(128, 64))
+    assert _api.check_sparsity(bm, None, None, 1000, 500, (2, 3)) == (bm, None)
+    assert _api.check_sparsity(bm, (128, 64), (5, -1), 1000, 500, ())[1] == (5, -1)
+    assert _api.check_sparsity(None, None, (-1, -1), 10, 10, ()) == (None, None)
+    assert _api.check_sparsity(None, None, [3, 0], 10, 10, ()) == (None, (3, 0))
+    blocks = np.eye(8, dtype=bool)
+    mask, _ = _api.check_sparsity(blocks, None, None, 1024, 1000, (4,))
+    assert mask.block_size == (128, 128) and mask.shape == (8, 8)  # the default block size
+    np.testing.assert_array_equal(mask.to_dense(), blocks)
+    again, _ = _api.check_sparsity(blocks.copy(), 128, None, 1024, 1000, (4,))
+    assert again is mask  # equal arrays: one conversion, one set of cached lists
+    other, _ = _api.check_sparsity(blocks, 64, None, 512, 500, (4,))
+    assert other is not mask and other.block_size == (64, 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    (
+        (dict(block_mask="butterfly"), TypeError, r"block_mask must be a cuflash.masks.BlockMask or a boolean array"),
+        (dict(block_mask=np.ones((8, 8))), TypeError, r"boolean array.*float64"),
+        (dict(block_mask=np.ones(8, bool)), ValueError, r"\(\.\.\., Tq, Tk\), got shape \(8,\)"),
+        (dict(block_mask=np.ones((8, 7), bool)), ValueError, r"Nk=1000 needs ceil\(1000/128\) = 8 key blocks, the mask has Tk=7"),
+        (dict(block_mask=np.ones((8, 8), bool), block_size=(64, 128)), ValueError, r"Nq=1000 needs ceil\(1000/64\) = 16"),
+        (dict(block_mask=np.ones((3, 8, 8), bool)), ValueError, r"\(3,\).*do not broadcast to the attention batch shape \(2, 4\)"),
+        (dict(block_mask=np.ones((1, 2, 4, 8, 8), bool)), ValueError, r"\(1, 2, 4\).*\(2, 4\)"),
+        (dict(block_size=64), ValueError, r"block_size=64 was given without a block_mask"),
+        (dict(block_mask=np.ones((8, 8), bool), block_size=0), ValueError, r"block_size must be >= 1"),
+        (dict(window=5), ValueError, r"window must be a \(left, right\) pair, got 5"),
+        (dict(window=(3, -2)), ValueError, r"window right must be >= -1, got -2"),
+        (dict(window=(1.5, 0)), TypeError, r"window left must be an integer"),
+    ),
+)
+def test_check_sparsity_errors_name_the_argument(kwargs, error, match):
+    args = dict(block_mask=None, block_size=None, window=None, nq=1000, nk=1000, out_lead_shape=(2, 4))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        _api.check_sparsity(*args.values())
+
+
+def test_block_size_must_agree_with_a_block_mask():
+    from cuflash import masks
+
+    bm = masks.local(4, 1, block_size=(64, 32))
+    assert _api.as_block_mask(bm, (64, 32)) is bm
+    with pytest.raises(ValueError, match=r"block_size=128 differs from the block size \(64, 32\)"):
+        _api.as_block_mask(bm, 128)
+
+
+def test_mask_strides_follow_the_merged_batch_dims():
+    from cuflash import masks
+
+    def with_mask(q_shape, kv_shape, mask_batch):
+        qkv = (q_shape, _contiguous_strides(q_shape), kv_shape, _contiguous_strides(kv_shape),
+               kv_shape, _contiguous_strides(kv_shape))
+        bm = masks.BlockMask.from_dense(np.ones(mask_batch + (2, 2), bool), 8)
+        return _api._layout_with_mask(qkv, (), bm)
+
+    per_head = with_mask((3, 4, 16, 8), (3, 4, 16, 8), (4,))
+    assert per_head.lead_shape == (1, 1, 3, 4) and per_head.extra_strides[-1] == (0, 0, 0, 1)
+    per_batch_head = with_mask((3, 4, 16, 8), (3, 4, 16, 8), (3, 4))
+    assert per_batch_head.lead_shape == (1, 1, 1, 12) and per_batch_head.extra_strides[-1] == (0, 0, 0, 1)
+    per_batch = with_mask((3, 4, 16, 8), (3, 4, 16, 8), (3, 1))
+    assert per_batch.extra_strides[-1] == (0, 0, 1, 0)
+    grouped = with_mask((2, 8, 16, 8), (2, 2, 16, 8), (8,))  # per q head, q heads grouped on k/v
+    assert grouped.kv_group == 4 and grouped.extra_strides[-1] == (0, 0, 0, 1)
+    shared = with_mask((3, 4, 16, 8), (3, 4, 16, 8), ())
+    assert shared.extra_strides[-1] == (0, 0, 0, 0) and shared.lead_shape == (1, 1, 1, 12)
+    # Without a mask the layout is exactly the dense one.
+    qkv = ((3, 4, 16, 8), _contiguous_strides((3, 4, 16, 8))) * 3
+    assert _api._layout_with_mask(qkv, (), None) == _api.broadcast_layout(*qkv)
+
+
+def test_mask_that_blocks_merging_is_named():
+    from cuflash import masks
+
+    q = (2, 3, 2, 3, 2, 10, 8)  # contiguous: merges into one dim on its own
+    qkv = (q, _contiguous_strides(q)) * 3
+    assert _api._layout_with_mask(qkv, (), None).lead_shape == (1, 1, 1, 72)
+    bm = masks.BlockMask.from_dense(np.ones((2, 1, 2, 1, 2, 2, 2), bool), 8)  # 5 dims apart
+    with pytest.raises(ValueError, match=r"at most 4 leading dims.*block_mask of shape \(2, 1, 2, 1, 2, 2, 2\)"):
+        _api._layout_with_mask(qkv, (), bm)
+
+
+def test_every_launch_has_a_tile_shape():
+    from cuflash import _config
+
+    for dtype in _config.SUPPORTED_DTYPES:
+        for d in (32, 64, 128, 256):
+            for deterministic, hopper in itertools.product((False, True), repeat=2):
+                plan = _config.backward_plan(dtype, d, d, False, deterministic, hopper=hopper, sparse=True)
+                for variant in (_config.forward_config(dtype, d, d, False, sparse=True), *plan.key_passes, plan.dq):
+                    if variant is None:
+                        continue
+                    rows, cols = _api._tile_shape(variant)
+                    assert rows >= 1 and cols >= 1 and isinstance(rows, int) and isinstance(cols, int)
+    f32 = _config.backward_plan("float32", 64, 64, False, False, sparse=True)
+    assert _api._tile_shape(f32.key_passes[0]) == (32, f32.key_passes[0].block_cols)
+    assert _api._tile_shape(f32.dq) == (f32.dq.block_rows, 32)
+
+
+def test_dense_sparsity_fields_carry_the_window():
+    assert _api._sparsity_fields(None, (), 10, 10, None, transpose=False, causal=False, window=None) == _api._DENSE_SPARSITY
+    fields = _api._sparsity_fields(None, (), 10, 10, None, transpose=True, causal=True, window=(4, 0))
+    assert fields == (4, 0) + _api._DENSE_SPARSITY[2:]

@@ -1,0 +1,153 @@
+"""The case matrix scripts/sanitize.sh runs under compute-sanitizer: every kernel variant the
+dispatcher can pick, at small sizes.
+
+    python scripts/sanitize_cases.py [--subset all|one] [--seed N]
+
+Per case: the forward, then the backward (preprocess, key passes, dQ) with atomic and with
+deterministic dQ. Inputs are strided views (a (B, N, H, d) buffer seen as (B, H, N, d)) with
+broadcast or grouped heads and odd lengths, so tile edges, padded head dims and the batch
+offset arithmetic are all exercised.
+
+``--subset all`` (memcheck, initcheck): each dtype x head dims 32..256 (every bucket, plus 40
+and d != dv), causal with Nq < Nk and Nq > Nk (rows without keys), and block-sparse and
+windowed cases when cuflash.attention takes them. ``--subset one`` (racecheck, synccheck, which
+are slow): one case per variant.
+
+CuPy's memory pool is switched off, so every array is its own cudaMalloc: a read past the end
+of an input, or of an output never written (initcheck), is caught instead of landing in a
+neighbour's block. The last line says how many of ``_config.all_variants()`` (for this GPU)
+ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gpu_util import random_array  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import _config, _loader, masks  # noqa: E402
+
+ODD_LENGTHS = (77, 131)
+
+
+class Case(NamedTuple):
+    dtype: str
+    d: int
+    dv: int
+    nq: int
+    nk: int
+    causal: bool
+    sparse: Optional[str] = None  # None, "block", "window" or "block+window"
+
+
+def _mask_support():
+    params = inspect.signature(cuflash.attention).parameters
+    return "block_mask" in params, "window" in params
+
+
+def cases(subset):
+    """The case list; ``one`` keeps one case per variant (d = the bucket)."""
+    short, long = ODD_LENGTHS
+    out = []
+    for dtype in _config.SUPPORTED_DTYPES:
+        dims = _config.HEAD_DIM_BUCKETS if dtype != "float32" else range(32, _config.MAX_HEAD_DIM + 1, 32)
+        for d in dims:
+            out.append(Case(dtype, d, d, short, long, False))
+            out.append(Case(dtype, d, d, long, short, True))  # rows 0..53 see no key
+            if subset == "all":
+                out.append(Case(dtype, d, d, short, long, True))
+        if subset == "all":
+            out += [Case(dtype, 40, 40, long, short, c) for c in (False, True)]
+            out += [Case(dtype, 64, 128, short, long, c) for c in (False, True)]
+            out += [Case(dtype, 128, 40, long, short, c) for c in (False, True)]
+    has_block_mask, has_window = _mask_support()
+    kinds = (["block"] if has_block_mask else []) + (["window"] if has_window else [])
+    if has_block_mask and has_window:
+        kinds.append("block+window")
+    for kind in kinds:
+        for dtype in _config.SUPPORTED_DTYPES:
+            for d in ((64, 256) if subset == "all" else (64,)):
+                out += [Case(dtype, d, d, short, long, False, kind), Case(dtype, d, d, long, short, True, kind)]
+    return out
+
+
+def mask_kwargs(case, rng):
+    """block_mask= / window= arguments for a sparse case (a random mask, a small window)."""
+    kwargs = {}
+    if "block" in case.sparse:
+        bq, bk = (32, 48) if case.causal else (64, 64)
+        tq, tk = -(-case.nq // bq), -(-case.nk // bk)
+        kwargs["block_mask"] = masks.BlockMask.from_dense(rng.random((tq, tk)) < 0.5, (bq, bk))
+    if "window" in case.sparse:
+        kwargs["window"] = (23, -1 if case.causal else 9)
+    return kwargs
+
+
+def strided(rng, batch, heads, n, d, dtype):
+    """A (batch, heads, n, d) view of a (batch, n, heads, d) device buffer."""
+    import cupy
+
+    return cupy.asarray(random_array(rng, (batch, n, heads, d), dtype)).swapaxes(1, 2)
+
+
+def run_case(case, rng, subset):
+    import cupy
+
+    # all: 2 batches of 4 query heads on 2 kv heads (grouped); one: 2 heads on one kv head
+    batch, hq, hkv = (2, 4, 2) if subset == "all" else (1, 2, 1)
+    q = strided(rng, batch, hq, case.nq, case.d, case.dtype)
+    k = strided(rng, batch, hkv, case.nk, case.d, case.dtype)
+    v = strided(rng, batch, hkv, case.nk, case.dv, case.dtype)
+    do = strided(rng, batch, hq, case.nq, case.dv, case.dtype)
+    kwargs = dict(causal=case.causal, **(mask_kwargs(case, rng) if case.sparse else {}))
+    out = cuflash.attention(q, k, v, **kwargs)
+    results = [out.o]
+    for deterministic in (False, True) if case.dtype != "float32" else (False,):
+        results += cuflash.attention_backward(do, q, k, v, *out, deterministic=deterministic, **kwargs)
+    return all(bool(cupy.isfinite(x).all()) for x in results)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--subset", choices=("all", "one"), default="all")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import cupy
+
+    cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: nothing hides an overrun
+    cupy.cuda.set_pinned_memory_allocator(None)
+    launched = set()
+    get_kernel = _loader.get_kernel
+
+    def recording_get_kernel(variant, device=None):
+        launched.add(variant.key)
+        return get_kernel(variant, device)
+
+    _loader.get_kernel = recording_get_kernel
+    rng = np.random.default_rng(args.seed)
+    failures = 0
+    for case in cases(args.subset):
+        start = time.perf_counter()
+        finite = run_case(case, rng, args.subset)
+        failures += not finite
+        print(f"{case} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
+    known = {v.key for v in _config.all_variants(_config.is_hopper(cupy.cuda.Device().compute_capability))}
+    missing = sorted(known - launched)
+    print(f"covered {len(known & launched)} of {len(known)} dispatcher variants"
+          + (f", {len(launched - known)} more not in _config.all_variants()" if launched - known else "")
+          + (f"; missing: {', '.join(missing)}" if missing else ""))
+    return 3 if failures else 0  # 1 is compute-sanitizer's --error-exitcode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
