@@ -40,6 +40,7 @@ import math
 import operator
 import os
 import struct
+import threading
 import weakref
 import zlib
 from typing import Any, NamedTuple, Optional, Tuple, Union
@@ -247,12 +248,19 @@ def _pack_tile_lists(listed: np.ndarray, partial: np.ndarray) -> Tuple[np.ndarra
 _MAX_CACHED_LISTS = 32  # per mask; a mask is normally used at a handful of (length, tile) sizes
 
 
-def _remember(cache: dict, key, value):
-    """cache[key] = value, dropping the oldest entry past _MAX_CACHED_LISTS."""
-    if len(cache) >= _MAX_CACHED_LISTS:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
+_CACHE_LOCK = threading.Lock()  # masks are shared between threads that launch at once
+
+
+def _remember(cache: dict, key, value, *, bounded: bool = True):
+    """cache[key] = value, dropping the oldest entry past _MAX_CACHED_LISTS when bounded.
+
+    Device lists are not bounded: dropping one could free memory a kernel queued on another
+    stream is still reading, and they are a few bytes per tile.
+    """
+    with _CACHE_LOCK:
+        if bounded and len(cache) >= _MAX_CACHED_LISTS:
+            cache.pop(next(iter(cache)), None)
+        return cache.setdefault(key, value)
 
 
 def _upload(arrays, device_id: int):
@@ -555,9 +563,9 @@ class BlockMask:
             blocks = self._device_blocks.get(device_id)
             if blocks is None:
                 (blocks,) = _upload((host.blocks,), device_id)
-                self._device_blocks[device_id] = blocks
+                blocks = _remember(self._device_blocks, device_id, blocks, bounded=False)
             counts, lists = _upload((host.counts, host.lists), device_id)
-            cached = _remember(self._device_lists, (device_id, key), TileLists(counts, lists, blocks))
+            cached = _remember(self._device_lists, (device_id, key), TileLists(counts, lists, blocks), bounded=False)
         return cached
 
     def _lists_key(self, nq, nk, tile_rows, tile_cols, transpose, causal, window):
