@@ -347,13 +347,17 @@ def test_time_call_warms_up_rotates_and_adapts():
     seen = []
     sets = [("a",), ("b",), ("c",)]
     times, first = common.time_call(cupy, lambda x: seen.append(x) or x, sets, 3, None)
-    # 3 warm-up calls (the first compiles) + 1 probe + ceil(150 / 5) = 30 timed calls
-    assert first == "a" and len(times) == 30 and len(seen) == 34
+    # 3 warm-up calls (the first compiles, the second is timed as the probe) + ceil(100 / 5)
+    assert first == "a" and len(times) == 20 and len(seen) == 23
     assert seen[:6] == ["a", "b", "c", "a", "b", "c"]  # rotation through the sets
+    slow = []  # a probe over SLOW_CALL_MS: no third warm-up, SLOW_REPEATS timed calls
+    times, _ = common.time_call(_FakeCupy(200.0), lambda x: slow.append(x), sets, 3, None)
+    assert len(times) == common.SLOW_REPEATS and len(slow) == 2 + common.SLOW_REPEATS
     times, _ = common.time_call(cupy, lambda x: x, sets, 1, 4)
     assert len(times) == 4
     assert common.auto_repeats(0.01) == common.AUTO_MAX_REPEATS
-    assert common.auto_repeats(1000.0) == common.AUTO_MIN_REPEATS
+    assert common.auto_repeats(1000.0) == common.SLOW_REPEATS
+    assert common.auto_repeats(common.SLOW_CALL_MS * 0.99) == common.AUTO_MIN_REPEATS
     assert common.auto_repeats(float("nan")) == common.AUTO_MAX_REPEATS
 
 

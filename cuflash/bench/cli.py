@@ -35,6 +35,7 @@ import csv
 import json
 import os
 import sys
+import time
 from typing import Optional
 
 from . import common, io, memory, sparse, speed
@@ -351,6 +352,10 @@ def kernel_variants(args) -> list:
         d = io.GPT2_MEDIUM["hdim"]
         variants += [_config.forward_config(io_dtype(args), d, d, False, tiles=t)
                      for t in io.SWEEP_TILES]
+    if "sparse" in args.tables:  # the block-sparse kernels are variants of their own
+        dtype, d = args.dtypes[0], args.hdims[0]
+        plan = _config.backward_plan(dtype, d, d, False, False, sparse=True)
+        variants += [_config.forward_config(dtype, d, d, False, sparse=True), *plan.key_passes]
     return list({v.key: v for v in variants}.values())
 
 
@@ -404,6 +409,7 @@ def run(args) -> int:
     results: dict = {"settings": settings(args)}
     failures: list = []
     progress = common.Progress(count_steps(args))
+    started = time.perf_counter()
     try:
         with env.stream():
             info = common.device_info(env)
@@ -460,6 +466,8 @@ def run(args) -> int:
                 failures += sparse.cuflash_failures(records)
     finally:
         progress.close()
+    results["wall_seconds"] = round(time.perf_counter() - started, 1)
+    emit(f"the whole run took {results['wall_seconds']:.0f} s, kernel compilation included")
     write_outputs(args, results)
     if failures:
         label, error = failures[0]

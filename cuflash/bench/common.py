@@ -31,9 +31,13 @@ TOKENS = 16384  # tokens per batch in the papers' harness
 HIDDEN = 2048  # heads * head_dim
 L2_BYTES = 60 * 10**6  # the H100/H200 L2; the device's own size is used when larger
 WARMUP = 3
-AUTO_TARGET_MS = 150.0  # adaptive repeats: about this much timed GPU work per measurement
+AUTO_TARGET_MS = 100.0  # adaptive repeats: about this much timed GPU work per measurement
 AUTO_MIN_REPEATS = 10
 AUTO_MAX_REPEATS = 100
+# A call this slow (standard attention at 8k-16k: 0.1-1 s) is timed 3 times after one warm-up:
+# its run-to-run spread is far below 1 %, and 14 calls of it would take most of the sweep.
+SLOW_CALL_MS = 50.0
+SLOW_REPEATS = 3
 MATMUL_N = 8192
 COPY_BYTES = 2 << 30
 DASH = "\u2013"
@@ -61,6 +65,8 @@ def auto_repeats(estimate_ms: float, target_ms: float = AUTO_TARGET_MS,
     """Timed calls for a call of about estimate_ms: enough for ~target_ms, within [lo, hi]."""
     if not estimate_ms or estimate_ms <= 0 or not math.isfinite(estimate_ms):
         return hi
+    if estimate_ms >= SLOW_CALL_MS:
+        return SLOW_REPEATS
     return int(min(hi, max(lo, math.ceil(target_ms / estimate_ms))))
 
 
@@ -411,24 +417,28 @@ def time_call(cupy, fn: Callable, input_sets: list, warmup: int = WARMUP,
     """Milliseconds of each of `repeats` calls fn(*input_sets[i % n]) on the current stream.
 
     `warmup` untimed calls come first (compilation, autotuning, allocator growth), followed by
-    a synchronization. With repeats None the count is adaptive: one more call is timed alone
-    and repeats = auto_repeats(its time). Each timed call has its own pair of events, recorded
-    on the current stream around it. Returns (times, output of the first warm-up call).
+    a synchronization; the second of them is timed alone, and when it took SLOW_CALL_MS or
+    more the rest are skipped. With repeats None the count is adaptive: auto_repeats(that
+    time). Each timed call has its own pair of events, recorded on the current stream around
+    it. Returns (times, output of the first warm-up call).
     """
     n = len(input_sets)
     first = fn(*input_sets[0])
-    for i in range(1, warmup):
-        fn(*input_sets[i % n])
     cupy.cuda.get_current_stream().synchronize()
-    offset = warmup
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    fn(*input_sets[1 % n])
+    end.record()
+    end.synchronize()
+    estimate = cupy.cuda.get_elapsed_time(start, end)
+    offset = 2
+    if estimate < SLOW_CALL_MS:
+        for i in range(offset, warmup):
+            fn(*input_sets[i % n])
+        offset = max(offset, warmup)
+    cupy.cuda.get_current_stream().synchronize()
     if repeats is None:
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn(*input_sets[offset % n])
-        end.record()
-        end.synchronize()
-        repeats = auto_repeats(cupy.cuda.get_elapsed_time(start, end))
-        offset += 1
+        repeats = auto_repeats(estimate)
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
     for i, (start, end) in enumerate(events):
         args = input_sets[(offset + i) % n]

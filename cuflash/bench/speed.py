@@ -512,7 +512,8 @@ def header_lines(info: dict, args) -> list:
     torch = info["torch"] or f"{DASH} ({info['torch_reason']})"
     repeats = (f"median of {args.repeats} calls" if args.repeats else
                f"median of {common.AUTO_MIN_REPEATS}-{common.AUTO_MAX_REPEATS} calls "
-               f"(about {common.AUTO_TARGET_MS:.0f} ms of work)")
+               f"(about {common.AUTO_TARGET_MS:.0f} ms of work; {common.SLOW_REPEATS} for calls over "
+               f"{common.SLOW_CALL_MS:.0f} ms)")
     return [
         f"GPU: {info['gpu']} ({info['sms']} SMs, L2 {info['l2_mb']:.0f} MB), CUDA runtime "
         f"{info['cuda_runtime']}, driver {info['cuda_driver']}",
