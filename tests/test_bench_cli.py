@@ -877,7 +877,9 @@ def test_kernel_variants():
     args = cli.parse_args([])
     keys = [v.key for v in cli.kernel_variants(args)]
     assert len(keys) == len(set(keys))
-    assert sum(k.startswith("fwd_") for k in keys) == 4 + len(io.SWEEP_TILES) - 1  # default tile shared
+    # 4 dense (hdim x causal), the IO sweep's tiles (one of them the default), 1 block-sparse
+    assert sum(k.startswith("fwd_") for k in keys) == 4 + len(io.SWEEP_TILES) - 1 + 1
+    assert sum(k.endswith("_sparse") for k in keys) == 2  # its forward and backward key pass
     args = cli.parse_args(["--tables", "speed", "--hdims", "64", "--causal", "no", "--tiles",
                            "64,64,4,1"])
     assert [v.key.split("_")[0] for v in cli.kernel_variants(args)].count("fwd") == 2
