@@ -75,7 +75,13 @@ def cases(subset):
         kinds.append("block+window")
     for kind in kinds:
         for dtype in _config.SUPPORTED_DTYPES:
-            for d in ((64, 256) if subset == "all" else (64,)):
+            # A block mask selects the SPARSE variants: every bucket, like the dense cases. A
+            # window alone runs the dense variants, so two head dims do.
+            if kind == "block":
+                dims = _config.HEAD_DIM_BUCKETS if dtype != "float32" else range(32, _config.MAX_HEAD_DIM + 1, 32)
+            else:
+                dims = (64, 256) if subset == "all" else (64,)
+            for d in dims:
                 out += [Case(dtype, d, d, short, long, False, kind), Case(dtype, d, d, long, short, True, kind)]
     return out
 
