@@ -503,7 +503,7 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         AttentionGradients(dq, dk, dv) of CuPy arrays with q's, k's and v's shapes and dtype.
         Gradients of broadcast or grouped k / v (and q) are summed over the broadcast
         positions. Extra device memory is O(N): float32 accumulators for dq, dk, dv (over
-        the output's leading dims) and two float32 statistics per query row.
+        the output's leading dims) and three float32 statistics per query row.
 
     Example:
         >>> o, l, m = cuflash.attention(q, k, v, causal=True)
@@ -549,7 +549,7 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         plan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
                                      hopper=_config.is_hopper(q.device.compute_capability))
         nq_pad = -(-nq // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
-        lse2 = cupy.empty((num_batch, nq_pad), cupy.float32)
+        lse2 = cupy.empty((num_batch, nq_pad, 2), cupy.float32)  # (m, log2 l) per row
         delta = cupy.empty((num_batch, nq_pad), cupy.float32)
         alloc = cupy.zeros if plan.atomic_dq else cupy.empty
         dq_acc = alloc(layout.out_lead_shape + (nq, d), cupy.float32)

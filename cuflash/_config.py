@@ -245,7 +245,7 @@ class TensorCoreBackward(_Launch):
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
         br, bc = self.block_rows, self.block_cols
         elems = bc * k_pitch + bc * v_pitch + 2 * br * k_pitch + 2 * br * v_pitch + 2 * br * (bc + SMEM_PAD)
-        return 4 * 2 * 2 * br + 2 * elems
+        return 4 * 3 * 2 * br + 2 * elems  # (m, log2 l) and D per query row, two stages
 
     @property
     def name_expression(self) -> str:

@@ -60,7 +60,7 @@ struct BwdParams {
     const void* out;   // O (read by the preprocess only)
     const float* l;    // (num_batch, nq) contiguous, from the forward
     const float* m;
-    float* lse2;       // (num_batch, nq_pad): (m + log l) * log2(e), +inf for rows without keys
+    float* lse2;       // (num_batch, nq_pad, 2): (m, log2 l) per row, (+inf, 0) without keys
     float* delta;      // (num_batch, nq_pad): rowsum(dO * O)
     float* dq_acc;     // (num_batch, nq, d) fp32; zeroed first when dQ is accumulated atomically
     float* dk_acc;     // (num_batch, nk, d): fp32, or the input dtype when dkv_in_dtype
@@ -109,12 +109,23 @@ __device__ __forceinline__ i64 flat_batch_index() {
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
+constexpr float kLog2e = 1.4426950408889634f;  // 1 / ln(2)
+
 // 2^x on the SFU. ftz is harmless here: arguments are <= 0 and results below 2^-126 are
 // negligible next to the row's largest term, which is exactly 1.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// P of one score in the backward, from the forward's row statistics m (scaled max) and log2 l:
+// exp(scale * s - m) / l. The product is rounded on its own, exactly as the forward rounded the
+// row's maximum into m, so the largest score of a row gives exp2(0 - log2 l) exactly even when
+// scale * s is ~1e4, where one fused multiply-add against a pre-scaled m would be off by
+// ~1e-3 in the exponent.
+__device__ __forceinline__ float recompute_p(float s, float scale, float m, float log2l) {
+    return fast_exp2((__fmul_rn(s, scale) - m) * kLog2e - log2l);
 }
 
 // ---- conversions -------------------------------------------------------------------------

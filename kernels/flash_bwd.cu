@@ -5,9 +5,10 @@
 //     dV = P^T dO        dP = dO V^T        dS = P o (dP - D),  D = rowsum(dO o O)
 //     dQ = scale * dS K          dK = scale * dS^T Q
 // P is never stored: it is recomputed tile by tile from Q, K and the forward's statistics,
-// folded into lse2 = (m + log l) * log2(e), so that P = exp2(scale_log2 * q.k - lse2).
+// kept per row as the pair (m, log2 l): P = exp2((scale * q.k - m) * log2(e) - log2 l)
+// (recompute_p in common.cuh).
 //
-// flash_bwd_preprocess   D and lse2 per query row (O(N d) work, one pass over dO and O).
+// flash_bwd_preprocess   D and (m, log2 l) per query row (O(N d) work, one pass over dO and O).
 // flash_bwd_kernel       one CTA per key tile of BC keys walks the query tiles of BR rows,
 //                        keeping dK and dV of its keys in registers (spread over all warps).
 //                        P and dS pass through shared memory; dQ of each query tile is added
@@ -23,11 +24,9 @@
 
 namespace cuflash {
 
-constexpr float kLog2e = 1.4426950408889634f;  // 1 / ln(2)
-
-// ---- preprocess: D = rowsum(dO o O), lse2 ------------------------------------------------
-// One warp per row; rows in [nq, nq_pad) get D = 0 and lse2 = +inf, so that padded rows of a
-// statistics tile contribute P = 0.
+// ---- preprocess: D = rowsum(dO o O), (m, log2 l) ---------------------------------------------
+// One warp per row; rows in [nq, nq_pad) get D = 0 and (m, log2 l) = (+inf, 0), so that padded
+// rows of a statistics tile contribute P = 0.
 template <typename T, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
@@ -38,7 +37,7 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
     if (row >= b.nq_pad) return;
     const i64 stat = bidx * b.nq_pad + row;
     if (row >= p.nq) {
-        if (lane == 0) { b.delta[stat] = 0.f; b.lse2[stat] = pos_inf(); }
+        if (lane == 0) { b.delta[stat] = 0.f; b.lse2[2 * stat] = pos_inf(); b.lse2[2 * stat + 1] = 0.f; }
         return;
     }
     const T* dout = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride) + row * b.do_row_stride;
@@ -50,8 +49,9 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
     if (lane == 0) {
         const float l = b.l[bidx * p.nq + row], m = b.m[bidx * p.nq + row];
         b.delta[stat] = acc;
-        // A row that saw no key (l = 0) must give P = 0 everywhere: +inf, not log(0) = -inf.
-        b.lse2[stat] = l > 0.f ? (m + logf(l)) * kLog2e : pos_inf();
+        // A row that saw no key (l = 0) must give P = 0 everywhere: m = +inf, not -inf.
+        b.lse2[2 * stat] = l > 0.f ? m : pos_inf();
+        b.lse2[2 * stat + 1] = l > 0.f ? log2f(l) : 0.f;
     }
 }
 
@@ -130,7 +130,7 @@ struct BwdSmemLayout {
     static constexpr int v_pitch = HDV + kSmemPad, do_pitch = HDV + kSmemPad;
     static constexpr int p_pitch = BC + kSmemPad;  // P and dS, [query][key]
     // float statistics first (16-byte aligned), then the 16-bit tiles
-    static constexpr int stats_bytes = 4 * 2 * 2 * BR;  // lse2 and D, two stages
+    static constexpr int stats_bytes = 4 * 3 * 2 * BR;  // (m, log2 l) and D per row, two stages
     static constexpr int k_elems = BC * k_pitch, v_elems = BC * v_pitch;
     static constexpr int q_elems = BR * q_pitch, do_elems = BR * do_pitch;  // per stage
     static constexpr int p_elems = BR * p_pitch;
@@ -166,8 +166,8 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
         if (dyn < (u32)L::bytes) __trap();
     }
-    float* sLse = reinterpret_cast<float*>(smem_raw);  // [2][BR]
-    float* sD = sLse + 2 * BR;                          // [2][BR]
+    float* sLse = reinterpret_cast<float*>(smem_raw);  // [2][BR][2]: (m, log2 l)
+    float* sD = sLse + 4 * BR;                          // [2][BR]
     T* sK = reinterpret_cast<T*>(smem_raw + L::stats_bytes);
     T* sV = sK + L::k_elems;
     T* sQ = sV + L::v_elems;        // [2][BR][q_pitch]
@@ -186,7 +186,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     const T* gK = static_cast<const T*>(p.k) + off.k;
     const T* gV = static_cast<const T*>(p.v) + off.v;
     const T* gdO = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
-    const float* gLse = b.lse2 + bidx * b.nq_pad;
+    const float* gLse = b.lse2 + 2 * bidx * b.nq_pad;
     const float* gD = b.delta + bidx * b.nq_pad;
 
     // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
@@ -195,7 +195,6 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     int clean_first, clean_last;  // query tiles that need no element mask
     band.clean_query_tiles(j0, BC, BR, nk, clean_first, clean_last);
 
-    const float scale_log2 = (float)p.scale_log2;
     const float scale = (float)p.scale;
     const int my_row = lane / 4, my_col = 2 * (lane % 4);  // in every m16n8 accumulator
     // This warp's place in each of the three layouts.
@@ -213,7 +212,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         const i64 i0 = (i64)i * BR;
         load_tile_async<BR, HD, L::q_pitch, NT>(sQ + stage * L::q_elems, gQ, p.q_row_stride, i0, nq, p.d, tid);
         load_tile_async<BR, HDV, L::do_pitch, NT>(sdO + stage * L::do_elems, gdO, b.do_row_stride, i0, nq, p.dv, tid);
-        load_floats_async<BR, NT>(sLse + stage * BR, gLse + i0, tid);
+        load_floats_async<2 * BR, NT>(sLse + stage * 2 * BR, gLse + 2 * i0, tid);
         load_floats_async<BR, NT>(sD + stage * BR, gD + i0, tid);
     };
 
@@ -232,7 +231,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         cp_async_commit();
         const T* cQ = sQ + stage * L::q_elems;
         const T* cdO = sdO + stage * L::do_elems;
-        const float* cLse = sLse + stage * BR;
+        const float* cLse = sLse + stage * 2 * BR;
         const float* cD = sD + stage * BR;
         const i64 i0 = (i64)i * BR;
 
@@ -242,7 +241,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         zero(acc_s);
         warp_gemm<T, MT_S, NT_S, HD / 16, false, false, KU_S>(acc_s, cQ + s_row0 * L::q_pitch, L::q_pitch,
                                                         sK + s_col0 * L::k_pitch, L::k_pitch, lane);
-        // -- mask (keys past nk, causal diagonal); queries past nq need none: lse2 = +inf --
+        // -- mask (keys past nk, the band); queries past nq need none: their m is +inf --
         if (i < clean_first || i > clean_last) {
             // Thresholds relative to this thread's first element, so that each test below
             // compares a register with a compile-time offset (no per-element index registers).
@@ -272,7 +271,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
                         if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][nt][e] = neg_inf();
                     }
         }
-        // -- P = exp2(S * scale_log2 - lse2[query]), packed to 16 bits at once: the fp32
+        // -- P = exp(scale * S - m) / l (recompute_p), packed to 16 bits at once: the fp32
         //    scores die here. When P goes to shared memory for dV, dS reads it back from
         //    there (each thread its own values) instead of holding it through dP's matmul --
         constexpr bool P_IN_SMEM = DO_DV;
@@ -282,11 +281,11 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = s_row0 + mt * 16 + my_row + 8 * h;
-                const float lse = cLse[row];
+                const float m_row = cLse[2 * row], log2l = cLse[2 * row + 1];
 #pragma unroll
                 for (int nt = 0; nt < NT_S; ++nt) {
-                    const u32 packed = pack2<T>(fast_exp2(acc_s[mt][nt][2 * h] * scale_log2 - lse),
-                                                fast_exp2(acc_s[mt][nt][2 * h + 1] * scale_log2 - lse));
+                    const u32 packed = pack2<T>(recompute_p(acc_s[mt][nt][2 * h], scale, m_row, log2l),
+                                                recompute_p(acc_s[mt][nt][2 * h + 1], scale, m_row, log2l));
                     if constexpr (P_IN_SMEM)
                         *reinterpret_cast<u32*>(sP + row * L::p_pitch + s_col0 + nt * 8 + my_col) = packed;
                     else
@@ -418,13 +417,14 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
 
     const int my_col = 2 * (lane % 4);
     const i64 my_q[2] = {q0 + warp * 16 + lane / 4, q0 + warp * 16 + lane / 4 + 8};
-    float lse[2], delta[2];
+    float m_row[2], log2l[2], delta[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows past nq read the padding: lse2 = +inf, D = 0
-        lse[h] = b.lse2[bidx * b.nq_pad + my_q[h]];
+    for (int h = 0; h < 2; ++h) {  // rows past nq read the padding: m = +inf, D = 0
+        m_row[h] = b.lse2[2 * (bidx * b.nq_pad + my_q[h])];
+        log2l[h] = b.lse2[2 * (bidx * b.nq_pad + my_q[h]) + 1];
         delta[h] = b.delta[bidx * b.nq_pad + my_q[h]];
     }
-    const float scale_log2 = (float)p.scale_log2;
+    const float scale = (float)p.scale;
 
     float acc_dq[HD / 8][4];
 #pragma unroll
@@ -502,7 +502,7 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
                     if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[n][e] = neg_inf();
                 }
         }
-        // -- dS = P o (dP - D), P = exp2(S * scale_log2 - lse2), as A fragments --
+        // -- dS = P o (dP - D), P recomputed (recompute_p), as A fragments --
         u32 ds_frag[BC / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk)
@@ -510,10 +510,10 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
             for (int half = 0; half < 2; ++half) {
                 const float* s = acc_s[2 * kk + half];
                 const float* dp = acc_dp[2 * kk + half];
-                ds_frag[kk][2 * half] = pack2<T>(fast_exp2(s[0] * scale_log2 - lse[0]) * (dp[0] - delta[0]),
-                                                 fast_exp2(s[1] * scale_log2 - lse[0]) * (dp[1] - delta[0]));
-                ds_frag[kk][2 * half + 1] = pack2<T>(fast_exp2(s[2] * scale_log2 - lse[1]) * (dp[2] - delta[1]),
-                                                     fast_exp2(s[3] * scale_log2 - lse[1]) * (dp[3] - delta[1]));
+                ds_frag[kk][2 * half] = pack2<T>(recompute_p(s[0], scale, m_row[0], log2l[0]) * (dp[0] - delta[0]),
+                                                 recompute_p(s[1], scale, m_row[0], log2l[0]) * (dp[1] - delta[0]));
+                ds_frag[kk][2 * half + 1] = pack2<T>(recompute_p(s[2], scale, m_row[1], log2l[1]) * (dp[2] - delta[1]),
+                                                     recompute_p(s[3], scale, m_row[1], log2l[1]) * (dp[3] - delta[1]));
             }
         // -- dQ += dS K (K read transposed) --
 #pragma unroll
@@ -526,7 +526,6 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
                 mma_16816<T>(acc_dq[2 * nd + 1], ds_frag[kk], bk[2], bk[3]);
             }
     }
-    const float scale = (float)p.scale;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (my_q[h] >= nq) continue;

@@ -6,7 +6,7 @@
 //                              32-query tile; dK and dV columns lane, lane+32, ... per key.
 //   flash_bwd_dq_f32_kernel    a CTA owns NWARPS * RPW queries; lane j takes key j of each
 //                              32-key tile.
-// No atomics: both are deterministic. D and lse2 come from flash_bwd_preprocess<float>.
+// No atomics: both are deterministic. D and (m, log2 l) come from flash_bwd_preprocess<float>.
 #include "common.cuh"
 #include "mask.cuh"
 
@@ -51,7 +51,7 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
 
     const Band band = Band::of<CAUSAL>(p);
     const auto tiles = query_tiles<SPARSE>(p, band, bidx, (int)blockIdx.x, j0, BK, 32);
-    const float scale_log2 = (float)p.scale_log2;
+    const float scale = (float)p.scale;
     float acc_dk[KPW][DT], acc_dv[KPW][DVT];
 #pragma unroll
     for (int r = 0; r < KPW; ++r) {
@@ -68,7 +68,8 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
         load_rows_f32(sdO, gdO, b.do_row_stride, q0, nq, 32, DVT * 32, dv, OP, tid, NT);
         __syncthreads();
         const i64 q = q0 + lane;  // this lane's query; rows past nq read the padding
-        const float lse = b.lse2[bidx * b.nq_pad + q], delta = b.delta[bidx * b.nq_pad + q];
+        const float m_row = b.lse2[2 * (bidx * b.nq_pad + q)], log2l = b.lse2[2 * (bidx * b.nq_pad + q) + 1];
+        const float delta = b.delta[bidx * b.nq_pad + q];
 #pragma unroll
         for (int r = 0; r < KPW; ++r) {
             const int kr = warp * KPW + r;
@@ -77,7 +78,7 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
             for (int c = 0; c < d; ++c) s = fmaf(sK[kr * d + c], sQ[lane * QP + c], s);
             for (int c = 0; c < dv; ++c) dp = fmaf(sV[kr * dv + c], sdO[lane * OP + c], dp);
             const bool allowed = pair_allowed(p, band, tiles, tiles.partial(it), q, key);
-            const float pr = allowed ? fast_exp2(s * scale_log2 - lse) : 0.f;
+            const float pr = allowed ? recompute_p(s, scale, m_row, log2l) : 0.f;
             const float ds = pr * (dp - delta);
             for (int j = 0; j < 32; ++j) {
                 const float pj = __shfl_sync(0xffffffffu, pr, j);
@@ -89,7 +90,6 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
             }
         }
     }
-    const float scale = (float)p.scale;
 #pragma unroll
     for (int r = 0; r < KPW; ++r) {
         const i64 key = j0 + warp * KPW + r;
@@ -133,13 +133,14 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
     const Band band = Band::of<CAUSAL>(p);
     const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, 32);
-    const float scale_log2 = (float)p.scale_log2;
+    const float scale = (float)p.scale;
 
-    float lse[RPW], delta[RPW], acc[RPW][DT];
+    float m_row[RPW], log2l[RPW], delta[RPW], acc[RPW][DT];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-        const i64 q = q0 + warp * RPW + r;  // rows past nq read the padding (lse2 = +inf)
-        lse[r] = b.lse2[bidx * b.nq_pad + q];
+        const i64 q = q0 + warp * RPW + r;  // rows past nq read the padding (m = +inf)
+        m_row[r] = b.lse2[2 * (bidx * b.nq_pad + q)];
+        log2l[r] = b.lse2[2 * (bidx * b.nq_pad + q) + 1];
         delta[r] = b.delta[bidx * b.nq_pad + q];
 #pragma unroll
         for (int u = 0; u < DT; ++u) acc[r][u] = 0.f;
@@ -157,7 +158,7 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
             float s = 0.f, dp = 0.f;
             for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * KP + c], s);
             for (int c = 0; c < dv; ++c) dp = fmaf(sdO[row * dv + c], sV[lane * vp + c], dp);
-            const float pr = pair_allowed(p, band, tiles, tiles.partial(it), q0 + row, key) ? fast_exp2(s * scale_log2 - lse[r]) : 0.f;
+            const float pr = pair_allowed(p, band, tiles, tiles.partial(it), q0 + row, key) ? recompute_p(s, scale, m_row[r], log2l[r]) : 0.f;
             const float ds = pr * (dp - delta[r]);
             for (int j = 0; j < 32; ++j) {
                 const float dsj = __shfl_sync(0xffffffffu, ds, j);
@@ -166,7 +167,6 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
             }
         }
     }
-    const float scale = (float)p.scale;
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         const i64 q = q0 + warp * RPW + r;

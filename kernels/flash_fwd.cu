@@ -199,10 +199,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const float* s = acc_s[mt][2 * kk + half];
-                    const float p0 = fast_exp2(s[0] * scale_log2 - base[0]);
-                    const float p1 = fast_exp2(s[1] * scale_log2 - base[0]);
-                    const float p2 = fast_exp2(s[2] * scale_log2 - base[1]);
-                    const float p3 = fast_exp2(s[3] * scale_log2 - base[1]);
+                    const float p0 = fast_exp2((s[0] - base[0]) * scale_log2);
+                    const float p1 = fast_exp2((s[1] - base[0]) * scale_log2);
+                    const float p2 = fast_exp2((s[2] - base[1]) * scale_log2);
+                    const float p3 = fast_exp2((s[3] - base[1]) * scale_log2);
                     softmax.l[2 * mt] += p0 + p1;
                     softmax.l[2 * mt + 1] += p2 + p3;
                     p_frag[mt][kk][2 * half] = pack2<T>(p0, p1);

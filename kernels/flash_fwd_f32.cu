@@ -93,7 +93,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
             // -- online softmax --
             float base;
             const float correction = softmax.advance(i, warp_max(s), scale_log2, base);
-            const float pj = fast_exp2(s * scale_log2 - base);
+            const float pj = fast_exp2((s - base) * scale_log2);
             softmax.l[i] += pj;
 #pragma unroll
             for (int u = 0; u < DVT; ++u) acc[i][u] *= correction;

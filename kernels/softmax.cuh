@@ -1,7 +1,10 @@
 // softmax.cuh: the online-softmax state of the rows one thread holds (the paper's m and l).
 //
 // Scores stay raw (s = q.k, unscaled) until they are exponentiated: exp(scale*(s - m)) is
-// computed as exp2(s*scale_log2 - m*scale_log2), one FFMA and one ex2 per score. The sum l is
+// computed as exp2((s - m) * scale_log2). The difference comes first so that the row's
+// largest score gives exactly exp2(0) = 1 even when scale * s is ~1e4; the single FFMA
+// s*scale_log2 - m*scale_log2 would leave the rounding error of m*scale_log2 (~1e-3 there)
+// in every exponent. The sum l is
 // kept per thread over its own columns and reduced across the quad only once, at the end;
 // this is exact because every thread of a row applies the same rescale factor each tile.
 #pragma once
@@ -20,14 +23,14 @@ struct OnlineSoftmax {
     }
 
     // Folds a tile's row maximum into m. Returns the factor that rescales everything
-    // accumulated so far (l and O) and sets `base`, the exp2 offset for this tile's scores.
-    // A row that has seen only masked keys keeps m = -inf; its base is 0 so that
-    // exp2(-inf - base) = 0 instead of exp2(-inf - (-inf)) = NaN.
+    // accumulated so far (l and O) and sets `base`, the raw score this tile's scores are taken
+    // from: p = exp2((s - base) * scale_log2). A row that has seen only masked keys keeps
+    // m = -inf; its base is 0 so that (-inf - base) = -inf instead of -inf - (-inf) = NaN.
     __device__ __forceinline__ float advance(int r, float tile_max, float scale_log2,
                                              float& base) {
         const float m_new = fmaxf(m[r], tile_max);
-        base = (m_new == neg_inf()) ? 0.f : m_new * scale_log2;
-        const float correction = fast_exp2(m[r] * scale_log2 - base);
+        base = (m_new == neg_inf()) ? 0.f : m_new;
+        const float correction = fast_exp2((m[r] - base) * scale_log2);
         m[r] = m_new;
         l[r] *= correction;
         return correction;

@@ -127,19 +127,19 @@ def test_flash_backward_bytes_by_hand():
     rows = 8 * n  # 8 key tiles, each visiting every query row
     read = (2 * n * d * 2 + 2 * n * 4  # preprocess: dO, O, l, m
             + 2 * n * d * 2  # K, V once
-            + rows * (2 * d * 2 + 2 * 4)  # Q, dO, lse, D per visited row
+            + rows * (2 * d * 2 + 3 * 4)  # Q, dO, (m, log2 l), D per visited row
             + rows * 4 * d  # dQ atomics (read)
             + 4 * n * d)  # cast dQ
-    write = 4 * n * d + 2 * n * 4 + rows * 4 * d + 2 * n * d * 2 + n * d * 2
-    assert (t.read, t.write) == (read, write) == (5_054_464, 2_760_704)
+    write = 4 * n * d + 3 * n * 4 + rows * 4 * d + 2 * n * d * 2 + n * d * 2
+    assert (t.read, t.write) == (read, write) == (5_087_232, 2_764_800)
     causal = io.flash_backward_traffic(n, d, br=64, bc=128, causal=True)
     visited = sum(n - 128 * j for j in range(8))  # key tile j starts at query tile 2j
-    assert causal.read == read - (rows - visited) * (2 * d * 2 + 8 + 4 * d)
+    assert causal.read == read - (rows - visited) * (2 * d * 2 + 12 + 4 * d)
     # head dims above 128: the key pass runs twice (dV, then dK), reading Q, dO, K, V again
     wide = io.flash_backward_traffic(n, 256, br=16, bc=128)
     assert wide == io.flash_backward_traffic(n, 256, br=16, bc=128, key_passes=2)
     one = io.flash_backward_traffic(n, 256, br=16, bc=128, key_passes=1)
-    assert wide.read - one.read == 2 * n * 256 * 2 + 8 * n * (2 * 256 * 2 + 8)
+    assert wide.read - one.read == 2 * n * 256 * 2 + 8 * n * (2 * 256 * 2 + 12)
     assert wide.write == one.write
 
 

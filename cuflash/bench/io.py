@@ -45,9 +45,9 @@ analysis; in reality L2 serves part of the re-reads, so DRAM traffic lies betwee
         (causal: only the key tiles up to the diagonal), write O (Nd s) and l, m (2N x 4).
     backward (one CTA per tile of Bc keys walks the query tiles of Br rows)
         zero the float32 dQ accumulator (write 4Nd); preprocess: read dO, O (2Nd s), l, m
-        (8N), write lse and D (8 N_pad, N rounded up to 128); key pass: read K, V once
-        (2Nd s), and per key tile the Q, dO tiles (2 d s per query row), their lse and D
-        (8 per row), the float32 dQ atomics (read + write, 4d each per row); write dK, dV
+        (8N), write (m, log2 l) and D (12 N_pad, N rounded up to 128); key pass: read K, V
+        once (2Nd s), and per key tile the Q, dO tiles (2 d s per query row), their (m, log2 l)
+        and D (12 per row), the float32 dQ atomics (read + write, 4d each per row); write dK, dV
         (2Nd s); cast dQ: read 4Nd, write Nd s. Causal: a key tile visits only the query tiles
         at and below the diagonal. Head dims above 128 run the key pass twice (dV then dK).
 
@@ -207,10 +207,10 @@ def flash_backward_traffic(n: int, d: int, heads: int = 1, batch: int = 1, *, br
     read = write = 0
     write += 4 * n * d  # zero the float32 dQ accumulator
     read += 2 * n * d * s + 2 * n * STAT_BYTES  # preprocess: dO, O, l, m
-    write += 2 * n_pad * STAT_BYTES  # lse, D
+    write += 3 * n_pad * STAT_BYTES  # (m, log2 l), D
     for p in range(passes):
         read += 2 * n * d * s  # K and V, once per key tile
-        read += rows * (2 * d * s + 2 * STAT_BYTES)  # Q, dO, lse, D of the visited rows
+        read += rows * (2 * d * s + 3 * STAT_BYTES)  # Q, dO, (m, log2 l), D of the visited rows
         if p == 0:  # dQ atomics ride on the first (or only) pass
             read += rows * 4 * d
             write += rows * 4 * d
