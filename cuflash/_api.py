@@ -358,6 +358,8 @@ def _launch(variant, grid_x, num_batch, args, d, dv):
     if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     grid_y = min(num_batch, 65535)  # y is limited to 65535: the rest goes to z
+    if -(-num_batch // grid_y) > 65535:
+        raise ValueError(f"{num_batch} (batch..., head) slices exceed the {65535 ** 2} a launch grid can hold")
     kernel((grid_x, grid_y, -(-num_batch // grid_y)), (variant.threads,), args, shared_mem=smem)
 
 

@@ -443,6 +443,11 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     else:
         passes = (key_pass(False, True, atomic), key_pass(True, False, False))
     dq = None if atomic else TensorCoreBackwardDq(dtype, hd, hd, *_TC_BACKWARD_DQ_TILES[hd], causal, sparse)
+    # The kernels read whole tiles of the per-row statistics, padded to STATS_ROW_MULTIPLE rows.
+    for kernel in (*passes, dq):
+        if kernel is not None and STATS_ROW_MULTIPLE % kernel.block_rows:
+            raise AssertionError(f"{kernel.key}: {kernel.block_rows} query rows do not divide "
+                                 f"STATS_ROW_MULTIPLE = {STATS_ROW_MULTIPLE}")
     return BackwardPlan(pre, passes, dq, atomic)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu
-from cuflash import _api
+from cuflash import _api, _config
 
 
 def test_numpy_arrays_are_refused_with_their_shape():
@@ -304,3 +304,36 @@ def test_dense_sparsity_fields_carry_the_window():
     assert _api._sparsity_fields(None, (), 10, 10, None, transpose=False, causal=False, window=None) == _api._DENSE_SPARSITY
     fields = _api._sparsity_fields(None, (), 10, 10, None, transpose=True, causal=True, window=(4, 0))
     assert fields == (4, 0) + _api._DENSE_SPARSITY[2:]
+
+
+def test_statistics_padding_holds_every_query_tile():
+    # backward_plan refuses a query tile that does not divide STATS_ROW_MULTIPLE (the kernels
+    # read the per-row statistics a whole tile at a time); every listed variant passes it.
+    for hopper in (True, False):
+        keys = {v.key for v in _config.all_variants(hopper)}
+        assert any(k.startswith("bwd_dq_") for k in keys)
+
+
+def test_a_batch_beyond_the_launch_grid_is_refused(monkeypatch):
+    from cuflash import _api, _loader
+
+    launched = []
+
+    class FakeKernel:
+        max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launched.append(grid)
+
+    class FakeVariant:
+        threads = 256
+
+        def smem_bytes(self, d, dv):
+            return 1024
+
+    monkeypatch.setattr(_loader, "get_kernel", lambda variant: FakeKernel())
+    _api._launch(FakeVariant(), 3, 65535 * 65535, (), 64, 64)
+    assert launched == [(3, 65535, 65535)]
+    with pytest.raises(ValueError, match="exceed"):
+        _api._launch(FakeVariant(), 3, 65535 * 65535 + 1, (), 64, 64)
+    assert len(launched) == 1
