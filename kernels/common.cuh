@@ -111,6 +111,15 @@ __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); 
 
 constexpr float kLog2e = 1.4426950408889634f;  // 1 / ln(2)
 
+// Python sizes every launch's dynamic shared memory from the same layout the kernel uses;
+// a kernel calls this first, so that if the two ever drift it fails loudly instead of
+// reading past its allocation.
+__device__ __forceinline__ void require_dynamic_smem(u32 bytes) {
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < bytes) __trap();
+}
+
 // 2^x on the SFU. ftz is harmless here: arguments are <= 0 and results below 2^-126 are
 // negligible next to the row's largest term, which is exactly 1.
 __device__ __forceinline__ float fast_exp2(float x) {

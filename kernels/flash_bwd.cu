@@ -161,11 +161,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     using L = BwdSmemLayout<HD, HDV, BR, BC>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)L::bytes) __trap();
-    }
+    require_dynamic_smem((u32)L::bytes);
     float* sLse = reinterpret_cast<float*>(smem_raw);  // [2][BR][2]: (m, log2 l)
     float* sD = sLse + 4 * BR;                          // [2][BR]
     T* sK = reinterpret_cast<T*>(smem_raw + L::stats_bytes);
@@ -388,11 +384,7 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     constexpr int NT = NWARPS * 32;
     using L = BwdDqSmemLayout<HD, HDV, BR, BC>;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)L::bytes) __trap();
-    }
+    require_dynamic_smem((u32)L::bytes);
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sdO = sQ + L::q_elems;
     T* sK = sdO + L::do_elems;       // [2][BC][k_pitch]

@@ -29,11 +29,7 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     constexpr int QP = DT * 32 + 1, OP = DVT * 32 + 1;  // odd pitches: lane j reads row j
     const int d = (int)p.d, dv = (int)p.dv;
     extern __shared__ __align__(16) float smem_f32[];
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)(4 * (BK * d + BK * dv + 32 * QP + 32 * OP))) __trap();
-    }
+    require_dynamic_smem((u32)(4 * (BK * d + BK * dv + 32 * QP + 32 * OP)));
     float* sK = smem_f32;            // [BK][d]
     float* sV = sK + BK * d;         // [BK][dv]
     float* sQ = sV + BK * dv;        // [32][QP]
@@ -109,11 +105,7 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, KP = DT * 32 + 1;
     const int d = (int)p.d, dv = (int)p.dv, vp = dv + 1;
     extern __shared__ __align__(16) float smem_f32[];
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)(4 * (BR * d + BR * dv + 32 * KP + 32 * vp))) __trap();
-    }
+    require_dynamic_smem((u32)(4 * (BR * d + BR * dv + 32 * KP + 32 * vp)));
     float* sQ = smem_f32;         // [BR][d]
     float* sdO = sQ + BR * d;     // [BR][dv]
     float* sK = sdO + BR * dv;    // [32][KP]

@@ -44,11 +44,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     using L = FwdSmemLayout<HD, HDV, BR, BC>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    {   // Python sizes the launch from the same layout; fail loudly if the two ever drift.
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)L::bytes) __trap();
-    }
+    require_dynamic_smem((u32)L::bytes);
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + L::q_elems;
     T* sV = sK + 2 * L::k_elems;

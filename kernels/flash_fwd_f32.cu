@@ -43,11 +43,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, BC = 32, VP = DVT * 32;
     extern __shared__ __align__(16) float smem_f32[];
     const int d = (int)p.d, dv = (int)p.dv, k_pitch = d + 1;  // odd pitch: lane j reads row j
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)(4 * (BR * d + BC * k_pitch + BC * VP))) __trap();
-    }
+    require_dynamic_smem((u32)(4 * (BR * d + BC * k_pitch + BC * VP)));
     float* sQ = smem_f32;
     float* sK = sQ + BR * d;
     float* sV = sK + BC * k_pitch;
