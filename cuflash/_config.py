@@ -29,6 +29,7 @@ _SPARSE_TAG = {False: "", True: "_sparse"}
 
 
 def _flag(value: bool) -> str:
+    """A bool as a C++ template argument."""
     return "true" if value else "false"
 
 
@@ -78,7 +79,7 @@ class TensorCoreForward(_Launch):
         return (
             f"cuflash::flash_fwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, "
             f"{self.head_dim_v}, {self.block_rows}, {self.block_cols}, {self.warps}, "
-            f"{self.min_blocks}, {'true' if self.causal else 'false'}, {self.qk_unroll}, {_flag(self.sparse)}>"
+            f"{self.min_blocks}, {_flag(self.causal)}, {self.qk_unroll}, {_flag(self.sparse)}>"
         )
 
     @property
@@ -115,7 +116,7 @@ class Float32Forward(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_fwd_f32_kernel<{self.value_tiles}, {self.warps}, "
-            f"{self.rows_per_warp}, {'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
+            f"{self.rows_per_warp}, {_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
@@ -249,7 +250,7 @@ class TensorCoreBackward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        flags = ", ".join("true" if f else "false" for f in (self.causal, self.do_dk, self.do_dv, self.atomic_dq))
+        flags = ", ".join(_flag(f) for f in (self.causal, self.do_dk, self.do_dv, self.atomic_dq))
         return (
             f"cuflash::flash_bwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
             f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, {flags}, "
@@ -293,7 +294,7 @@ class TensorCoreBackwardDq(_Launch):
         return (
             f"cuflash::flash_bwd_dq_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
             f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, "
-            f"{'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
+            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
@@ -330,7 +331,7 @@ class Float32BackwardDkDv(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_bwd_dkdv_f32_kernel<{self.dim_tiles}, {self.dim_tiles}, {self.warps}, "
-            f"{self.keys_per_warp}, {'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
+            f"{self.keys_per_warp}, {_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
@@ -364,7 +365,7 @@ class Float32BackwardDq(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_bwd_dq_f32_kernel<{self.dim_tiles}, {self.warps}, {self.rows_per_warp}, "
-            f"{'true' if self.causal else 'false'}, {_flag(self.sparse)}>"
+            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
