@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _config, _loader
-from .masks import DEFAULT_BLOCK_SIZE, BlockMask, _block_pair, _window_pair
+from .masks import DEFAULT_BLOCK_SIZE, BlockMask, _block_pair, window_option
 
 MAX_LEAD_DIMS = 4  # kMaxLead in kernels/common.cuh
 
@@ -302,12 +302,6 @@ def check_sparsity(block_mask, block_size, window, nq: int, nk: int, out_lead_sh
     return mask, window_option(window)
 
 
-def window_option(window) -> Optional[Tuple[int, int]]:
-    """window= as (left, right), or None for no window (which (-1, -1) also is)."""
-    window = _window_pair(window)
-    return None if window == NO_WINDOW else window
-
-
 def _layout_with_mask(qkv_strides, extras, mask) -> BatchLayout:
     """broadcast_layout with the block mask as one more extra operand (the last), so that its
     leading dims take part in merging and get strides over the merged dims, counted in whole
@@ -323,16 +317,6 @@ def _layout_with_mask(qkv_strides, extras, mask) -> BatchLayout:
         raise ValueError(f"{exc}; with block_mask of shape {mask.shape}, whose leading dims must merge too") from None
 
 
-# The float32 backward kernels walk the other operand 32 rows at a time (one per lane); their
-# _config variants name only the tile they own, so this is the other side's size.
-_LANE_TILE = 32
-
-
-def _tile_shape(variant) -> Tuple[int, int]:
-    """(queries, keys) per tile of a launch: what its lists are counted in."""
-    return getattr(variant, "block_rows", _LANE_TILE), getattr(variant, "block_cols", _LANE_TILE)
-
-
 def _sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, window):
     """The FwdParams fields after scale_log2 for one launch of ``variant``.
 
@@ -342,8 +326,8 @@ def _sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, 
     """
     if mask is None:
         return (*(window or NO_WINDOW), *_DENSE_TILES)
-    tile_rows, tile_cols = _tile_shape(variant)
-    tiles = mask.device_tile_lists(nq, nk, tile_rows, tile_cols, transpose=transpose, causal=causal, window=window)
+    tiles = mask.device_tile_lists(nq, nk, variant.block_rows, variant.block_cols, transpose=transpose,
+                                   causal=causal, window=window)
     return (
         *(window or NO_WINDOW),
         tiles.counts.data.ptr, tiles.lists.data.ptr, tiles.blocks.data.ptr, tiles.n_outer, tiles.list_stride,

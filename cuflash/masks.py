@@ -118,6 +118,12 @@ def _window_pair(window) -> Optional[Tuple[int, int]]:
     return _check_window_side(left, "window left"), _check_window_side(right, "window right")
 
 
+def window_option(window) -> Optional[Tuple[int, int]]:
+    """window= as (left, right), or None for no window (which (-1, -1) also is)."""
+    window = _window_pair(window)
+    return None if window == (-1, -1) else window
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -570,11 +576,10 @@ class BlockMask:
 
     def _lists_key(self, nq, nk, tile_rows, tile_cols, transpose, causal, window):
         self.check(nq, nk)
-        window = _window_pair(window)
         return (
             _as_int(nq, "nq", 0), _as_int(nk, "nk", 0),
             _as_int(tile_rows, "tile_rows", 1), _as_int(tile_cols, "tile_cols", 1),
-            bool(transpose), bool(causal), None if window == (-1, -1) else window,
+            bool(transpose), bool(causal), window_option(window),
         )
 
     def _build_tile_lists(self, nq, nk, tile_rows, tile_cols, transpose, causal, window) -> TileLists:
