@@ -353,8 +353,9 @@ def test_time_call_warms_up_rotates_and_adapts():
     slow = []  # a probe over SLOW_CALL_MS: no third warm-up, SLOW_REPEATS timed calls
     times, _ = common.time_call(_FakeCupy(200.0), lambda x: slow.append(x), sets, 3, None)
     assert len(times) == common.SLOW_REPEATS and len(slow) == 2 + common.SLOW_REPEATS
-    times, _ = common.time_call(cupy, lambda x: x, sets, 1, 4)
-    assert len(times) == 4
+    fixed = []  # a given repeat count needs no probe: exactly warmup + repeats calls
+    times, _ = common.time_call(cupy, lambda x: fixed.append(x), sets, 1, 4)
+    assert len(times) == 4 and len(fixed) == 5
     assert common.auto_repeats(0.01) == common.AUTO_MAX_REPEATS
     assert common.auto_repeats(1000.0) == common.SLOW_REPEATS
     assert common.auto_repeats(common.SLOW_CALL_MS * 0.99) == common.AUTO_MIN_REPEATS

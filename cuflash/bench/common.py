@@ -417,28 +417,28 @@ def time_call(cupy, fn: Callable, input_sets: list, warmup: int = WARMUP,
     """Milliseconds of each of `repeats` calls fn(*input_sets[i % n]) on the current stream.
 
     `warmup` untimed calls come first (compilation, autotuning, allocator growth), followed by
-    a synchronization; the second of them is timed alone, and when it took SLOW_CALL_MS or
-    more the rest are skipped. With repeats None the count is adaptive: auto_repeats(that
-    time). Each timed call has its own pair of events, recorded on the current stream around
-    it. Returns (times, output of the first warm-up call).
+    a synchronization. With repeats None the count is adaptive: the second warm-up call is
+    timed alone, repeats = auto_repeats(its time), and when it took SLOW_CALL_MS or more the
+    remaining warm-ups are skipped. Each timed call has its own pair of events, recorded on
+    the current stream around it. Returns (times, output of the first warm-up call).
     """
     n = len(input_sets)
     first = fn(*input_sets[0])
-    cupy.cuda.get_current_stream().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    fn(*input_sets[1 % n])
-    end.record()
-    end.synchronize()
-    estimate = cupy.cuda.get_elapsed_time(start, end)
-    offset = 2
-    if estimate < SLOW_CALL_MS:
+    offset, slow = 1, False
+    if repeats is None:
+        cupy.cuda.get_current_stream().synchronize()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn(*input_sets[1 % n])
+        end.record()
+        end.synchronize()
+        estimate = cupy.cuda.get_elapsed_time(start, end)
+        repeats, offset, slow = auto_repeats(estimate), 2, estimate >= SLOW_CALL_MS
+    if not slow:
         for i in range(offset, warmup):
             fn(*input_sets[i % n])
         offset = max(offset, warmup)
     cupy.cuda.get_current_stream().synchronize()
-    if repeats is None:
-        repeats = auto_repeats(estimate)
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
     for i, (start, end) in enumerate(events):
         args = input_sets[(offset + i) % n]
