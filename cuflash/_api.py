@@ -429,7 +429,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         if dtype != "float32":
             for name, x in (("q", q), ("k", k), ("v", v)):
                 _check_vector_alignment(x, name, strides[name])
-        variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None)
+        variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None,
+                                         wgmma=_config.has_wgmma(q.device.compute_capability))
         row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
         mask_strides = layout.extra_strides[-1] if mask is not None else ()
         sparsity = _sparsity_fields(mask, mask_strides, nq, nk, variant, transpose=False, causal=causal, window=window)

@@ -124,6 +124,65 @@ class Float32Forward(_Launch):
         return f"fwd_float32_dvt{self.value_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
 
 
+@dataclasses.dataclass(frozen=True)
+class HopperForward(_Launch):
+    """A float16/bfloat16 forward on wgmma, sm_90a only (kernels/flash_fwd_sm90.cu): a producer
+    warpgroup fills a ring of ``stages`` K/V buffers, two consumer warpgroups own 64 query rows each."""
+
+    dtype: str
+    head_dim: int  # d = dv = head_dim exactly (64 or 128)
+    block_cols: int
+    stages: int
+    causal: bool
+    sparse: bool = False
+
+    source = "flash_fwd_sm90.cu"
+    block_rows = 128
+    warps = 12
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.head_dim
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        tiles = 2 * self.head_dim * (self.block_rows + 2 * self.stages * self.block_cols)
+        barriers = 8 * (1 + 4 * self.stages)
+        return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
+            f"{self.stages}, {_flag(self.causal)}, {_flag(self.sparse)}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return (
+            f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}"
+            f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        )
+
+
+# (block_cols, stages) of the wgmma forward per head dim. Its consumers keep S (64 x block_cols)
+# and O (64 x head_dim) in fp32 registers under the 168 a thread that 384 threads get: 128-key
+# tiles spill at head dim 128.
+_SM90_FORWARD_TILES = {64: (128, 2), 128: (64, 2)}
+_wgmma_forward = [True]  # the switch wgmma_forward() flips
+
+
+@contextlib.contextmanager
+def wgmma_forward(enabled: bool):
+    """Turn the wgmma forward on or off (on by default where the GPU has it), e.g. to compare
+    it with the mma.sync kernel on the same H100/H200 in one process."""
+    saved = _wgmma_forward[0]
+    _wgmma_forward[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _wgmma_forward[0] = saved
+
+
 # (block_rows, block_cols, warps, min_blocks) per head-dim bucket for the 16-bit forward.
 # A warp holds (block_rows / warps / 16) row tiles; per thread O costs head_dim / 8 * 4 fp32
 # registers per row tile and S block_cols / 8 * 4, which is what bounds these choices.
@@ -139,12 +198,16 @@ _TC_FORWARD_TILES = {
 }
 
 
-def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False):
+def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
+                   wgmma: bool = False):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
-    (used by tuning runs). ``sparse``: the launch walks block-sparse tile lists.
+    (used by tuning runs). ``sparse``: the launch walks block-sparse tile lists. ``wgmma``: the
+    GPU has wgmma (:func:`has_wgmma`); head dims 64 and 128 (d = dv) then run on it.
     """
+    if wgmma and tiles is None and _wgmma_forward[0] and dtype in _TYPE_TAG and d == dv and d in _SM90_FORWARD_TILES:
+        return HopperForward(dtype, d, *_SM90_FORWARD_TILES[d], bool(causal), sparse=bool(sparse))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.
@@ -155,9 +218,13 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal), *unroll, sparse=bool(sparse))
 
 
-def all_forward_variants():
+def all_forward_variants(wgmma: bool = False):
     """Every variant the dispatcher can pick (what the offline compile check builds)."""
     variants = []
+    if wgmma:
+        variants += [forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True)
+                     for sparse in (False, True) for causal in (False, True)
+                     for dtype in ("float16", "bfloat16") for hd in sorted(_SM90_FORWARD_TILES)]
     for sparse in (False, True):
         for causal in (False, True):
             for dtype in ("float16", "bfloat16"):
@@ -471,9 +538,15 @@ def all_backward_variants(hopper: bool = True):
     return list(variants.values())
 
 
-def all_variants(hopper: bool = True):
-    """Every kernel variant the dispatcher can launch on a GPU of that kind, forward and backward."""
-    return all_forward_variants() + all_backward_variants(hopper)
+def all_variants(hopper: bool = True, wgmma: typing.Optional[bool] = None):
+    """Every kernel variant the dispatcher can launch on a GPU of that kind, forward and backward.
+    ``wgmma`` defaults to ``hopper``."""
+    return all_forward_variants(hopper if wgmma is None else wgmma) + all_backward_variants(hopper)
+
+
+def has_wgmma(arch: str) -> bool:
+    """'sm_90a' / '90' -> True: wgmma exists on compute capability 9.0 only (sm_90a code)."""
+    return "".join(c for c in arch if c.isdigit()) == "90"
 
 
 def is_hopper(arch: str) -> bool:

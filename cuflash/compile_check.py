@@ -39,7 +39,7 @@ def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
     Variants are compiled in chunks of one source file, spread over ``jobs`` processes.
     """
     per_arch = {
-        arch: list(variants if variants is not None else _config.all_variants(_config.is_hopper(arch)))
+        arch: list(variants if variants is not None else _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch)))
         for arch in archs
     }
     tasks = []
@@ -63,7 +63,8 @@ def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
 def _current_variants():
     import cupy
 
-    return _config.all_variants(_config.is_hopper(cupy.cuda.Device().compute_capability))
+    arch = cupy.cuda.Device().compute_capability
+    return _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch))
 
 
 def _warm_one(index):

@@ -16,7 +16,14 @@ def reports():
 def test_every_variant_builds_for_each_arch(reports):
     built = {(v.key, arch) for v, arch, _ in reports}
     assert built == {(v.key, arch) for arch in compile_check.DEFAULT_ARCHS
-                     for v in _config.all_variants(_config.is_hopper(arch))}
+                     for v in _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch))}
+
+
+def test_wgmma_variants_only_for_sm90a():
+    sm80 = {v.source for v in _config.all_variants(_config.is_hopper("sm_80"), _config.has_wgmma("sm_80"))}
+    sm90 = {v.source for v in _config.all_variants(_config.is_hopper("sm_90a"), _config.has_wgmma("sm_90a"))}
+    assert "flash_fwd_sm90.cu" not in sm80 and "flash_fwd_sm90.cu" in sm90
+    assert not _config.has_wgmma("sm_100") and _config.has_wgmma("90")
 
 
 def test_no_variant_spills(reports):
@@ -30,7 +37,8 @@ def test_dispatcher_only_picks_listed_variants():
         for d in range(8, 257, 8):
             for dv in (8, d, 256):
                 for causal in (False, True):
-                    assert _config.forward_config(dtype, d, dv, causal).key in listed
+                    for wgmma in (False, True):
+                        assert _config.forward_config(dtype, d, dv, causal, wgmma=wgmma).key in listed
                     for deterministic in (False, True):
                         plan = _config.backward_plan(dtype, d, dv, causal, deterministic)
                         for kernel in (plan.preprocess, *plan.key_passes, plan.dq):

@@ -325,6 +325,18 @@ def io_dtype(args) -> str:
     return next((d for d in args.dtypes if d in ("bfloat16", "float16")), "bfloat16")
 
 
+def _device_has_wgmma() -> bool:
+    """Whether the current GPU runs the wgmma forward (False without a GPU)."""
+    from cuflash import _config
+
+    try:
+        import cupy
+
+        return _config.has_wgmma(cupy.cuda.Device().compute_capability)
+    except Exception:  # no CuPy, driver or device: the listing is for the mma.sync kernels
+        return False
+
+
 def kernel_variants(args) -> list:
     """Every cuflash kernel variant the selected tables will launch (16-bit and float32
     forward and backward per dtype, head dim and causal setting, the IO table's tile sweep,
@@ -332,6 +344,7 @@ def kernel_variants(args) -> list:
     from cuflash import _config
 
     shapes = set()  # (dtype, head dim, causal)
+    wgmma = _device_has_wgmma()
     if "speed" in args.tables:
         shapes |= {(t, h, c) for t in args.dtypes for h in args.hdims for c in args.causal_modes}
     if "memory" in args.tables:
@@ -342,7 +355,7 @@ def kernel_variants(args) -> list:
         shapes.add((args.dtypes[0], args.hdims[0], False))
     variants = []
     for dtype, hdim, causal in sorted(shapes):
-        variants.append(_config.forward_config(dtype, hdim, hdim, causal))
+        variants.append(_config.forward_config(dtype, hdim, hdim, causal, wgmma=wgmma))
         plan = _config.backward_plan(dtype, hdim, hdim, causal, False)
         variants += [k for k in (plan.preprocess, *plan.key_passes, plan.dq) if k is not None]
         if "speed" in args.tables and dtype != "float32":
@@ -355,7 +368,7 @@ def kernel_variants(args) -> list:
     if "sparse" in args.tables:  # the block-sparse kernels are variants of their own
         dtype, d = args.dtypes[0], args.hdims[0]
         plan = _config.backward_plan(dtype, d, d, False, False, sparse=True)
-        variants += [_config.forward_config(dtype, d, d, False, sparse=True), *plan.key_passes]
+        variants += [_config.forward_config(dtype, d, d, False, sparse=True, wgmma=wgmma), *plan.key_passes]
     return list({v.key: v for v in variants}.values())
 
 

@@ -1,0 +1,183 @@
+// sm90.cuh: Hopper's warpgroup matrix multiply (wgmma), mbarriers and register reallocation,
+// as thin inline-PTX wrappers. Everything here needs the sm_90a target; only
+// flash_fwd_sm90.cu includes it.
+//
+// Shared-memory operands use the 128-byte swizzle: a tile is stored as column blocks of 64
+// 16-bit elements (128 bytes a row), each block [rows][64] with the 16-byte unit u of row r at
+// unit u ^ (r % 8). Blocks start on 1024-byte boundaries, so the swizzle pattern is aligned
+// and the descriptors' base offset is 0.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+constexpr int kSwizzleRowBytes = 128;  // one row of a 64-element column block
+constexpr int kSwizzleCols = 64;
+
+// Byte offset of the 16-byte unit holding columns [8u, 8u + 8) of row r in a swizzled tile of
+// ROWS rows: column block u / 8, then the row, then the unit permuted within the row.
+template <int ROWS>
+__device__ __forceinline__ u32 swizzled_offset(int r, int u) {
+    return (u32)((u / 8) * ROWS * kSwizzleRowBytes + r * kSwizzleRowBytes + (((u % 8) ^ (r % 8)) * 16));
+}
+
+// Copies rows [row0, row0 + ROWS) and columns [0, COLS) of a row-major global matrix into a
+// swizzled tile with 16-byte cp.async, NT threads (thread index tid) sharing the work. Rows
+// at or past nrows and columns at or past ncols are zero-filled, never read.
+template <int ROWS, int COLS, int NT, typename T>
+__device__ __forceinline__ void load_tile_swizzled(u32 smem, const T* gmem, i64 row_stride, i64 row0,
+                                                   i64 nrows, i64 ncols, int tid) {
+    constexpr int UNITS = COLS / 8;
+    static_assert((ROWS * UNITS) % NT == 0, "whole rounds of copies");
+#pragma unroll
+    for (int it = 0; it < ROWS * UNITS / NT; ++it) {
+        const int i = tid + it * NT;
+        const int r = i / UNITS, u = i % UNITS;
+        const bool valid = (row0 + r < nrows) && (u * 8 < ncols);
+        const T* src = valid ? gmem + (row0 + r) * row_stride + u * 8 : gmem;
+        cp_async_16(smem + swizzled_offset<ROWS>(r, u), src, valid);
+    }
+}
+
+// ---- matrix descriptors ----------------------------------------------------------------
+// Bits 0-13: start address >> 4; 16-29: leading byte offset >> 4; 32-45: stride byte offset
+// >> 4; 62-63: layout (1 = 128-byte swizzle).
+__device__ __forceinline__ unsigned long long descriptor(u32 addr, u32 leading, u32 stride) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(leading >> 4) << 16) |
+           ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+
+// An operand stored K-major (the reduction dim contiguous: Q and K of S = Q K^T), rows from
+// `row` on, reduction columns [16 kk, 16 kk + 16). Eight-row groups are 1024 bytes apart; the
+// leading offset is unused with this swizzle. Inside a column block the start moves by 32
+// bytes per 16 columns.
+template <int ROWS>
+__device__ __forceinline__ unsigned long long kmajor_desc(u32 tile, int row, int kk) {
+    return descriptor(tile + (kk / 4) * ROWS * kSwizzleRowBytes + row * kSwizzleRowBytes + (kk % 4) * 32, 16, 1024);
+}
+
+// An operand stored MN-major (the output dim contiguous: V of O += P V, whose reduction dim
+// is the key): keys [16 kk, 16 kk + 16) of a tile of ROWS keys. Eight keys are 1024 bytes
+// apart (stride offset); 64-wide column blocks are ROWS rows apart (leading offset).
+template <int ROWS>
+__device__ __forceinline__ unsigned long long mnmajor_desc(u32 tile, int kk) {
+    return descriptor(tile + kk * 16 * kSwizzleRowBytes, ROWS * kSwizzleRowBytes, 1024);
+}
+
+// ---- wgmma -------------------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Pins an accumulator's registers at this point of the program: the compiler may neither
+// read them before the wgmma that writes them has been waited for, nor move the wait.
+template <int NT>
+__device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
+}
+
+#define CUFLASH_ACC8(d, n)                                                                  \
+    "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3]), "+f"(d[n + 1][0]),          \
+        "+f"(d[n + 1][1]), "+f"(d[n + 1][2]), "+f"(d[n + 1][3])
+#define CUFLASH_ACC32(d, n) CUFLASH_ACC8(d, n), CUFLASH_ACC8(d, n + 2), CUFLASH_ACC8(d, n + 4), CUFLASH_ACC8(d, n + 6)
+
+#define CUFLASH_REGS32                                                                       \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUFLASH_REGS64                                                                       \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+    "%56, %57, %58, %59, %60, %61, %62, %63}"
+
+// D (64 x N, fp32, the mma.sync accumulator layout repeated: d[n][e] is row 16*warp + lane/4
+// + 8*(e/2), column 8n + 2*(lane%4) + e%2) {=, +=} A B for one k-step of 16. SS: A and B from
+// shared memory, both K-major. RS: A from registers in the m16n8k16 A-fragment layout (which
+// is how P leaves the softmax), B from shared memory MN-major. `accumulate` = 0 overwrites D.
+// REGS names the accumulators; A0.. name the operands after them (%32.. for N = 64, %64..
+// for N = 128).
+#define CUFLASH_WGMMA_SS(N, TYPE, REGS, ACC, A0, A1, A2)                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " A2 ", 0;\n"                             \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS     \
+                 ", " A0 ", " A1 ", p, 1, 1, 0, 0;\n}\n"                                     \
+                 : ACC : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+#define CUFLASH_WGMMA_RS(N, TYPE, REGS, ACC, A0, A1, A2, A3, A4, A5)                         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " A5 ", 0;\n"                             \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS     \
+                 ", {" A0 ", " A1 ", " A2 ", " A3 "}, " A4 ", p, 1, 1, 1;\n}\n"              \
+                 : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], unsigned long long a_desc,
+                                         unsigned long long b_desc, int accumulate);
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4], unsigned long long b_desc,
+                                         int accumulate);
+
+#define CUFLASH_DEFINE_WGMMA(TYPE_TAG, TYPE)                                                   \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_ss<TYPE_TAG, 64>(float (&d)[8][4], unsigned long long a_desc, \
+                                                           unsigned long long b_desc, int accumulate) { \
+        CUFLASH_WGMMA_SS(64, TYPE, CUFLASH_REGS32, CUFLASH_ACC32(d, 0), "%32", "%33", "%34");  \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_ss<TYPE_TAG, 128>(float (&d)[16][4], unsigned long long a_desc, \
+                                                            unsigned long long b_desc, int accumulate) { \
+        CUFLASH_WGMMA_SS(128, TYPE, CUFLASH_REGS64, CUFLASH_ACC32(d, 0) COMMA CUFLASH_ACC32(d, 8), \
+                         "%64", "%65", "%66");                                                  \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<TYPE_TAG, 64>(float (&d)[8][4], const u32 (&a)[4], \
+                                                           unsigned long long b_desc, int accumulate) { \
+        CUFLASH_WGMMA_RS(64, TYPE, CUFLASH_REGS32, CUFLASH_ACC32(d, 0), "%32", "%33", "%34", "%35", \
+                         "%36", "%37");                                                         \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<TYPE_TAG, 128>(float (&d)[16][4], const u32 (&a)[4], \
+                                                            unsigned long long b_desc, int accumulate) { \
+        CUFLASH_WGMMA_RS(128, TYPE, CUFLASH_REGS64, CUFLASH_ACC32(d, 0) COMMA CUFLASH_ACC32(d, 8), \
+                         "%64", "%65", "%66", "%67", "%68", "%69");                             \
+    }
+
+#define COMMA ,
+CUFLASH_DEFINE_WGMMA(bf16, "bf16")
+CUFLASH_DEFINE_WGMMA(fp16, "f16")
+#undef COMMA
+#undef CUFLASH_DEFINE_WGMMA
+#undef CUFLASH_WGMMA_SS
+#undef CUFLASH_WGMMA_RS
+#undef CUFLASH_REGS32
+#undef CUFLASH_REGS64
+#undef CUFLASH_ACC32
+#undef CUFLASH_ACC8
+
+// ---- mbarriers ---------------------------------------------------------------------------
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Blocks until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// Shared memory written through the generic proxy (cp.async, st.shared) that wgmma reads next
+// must be fenced against the async proxy by the writing thread.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+}  // namespace sm90
+}  // namespace cuflash

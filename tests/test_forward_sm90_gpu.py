@@ -1,0 +1,122 @@
+"""The wgmma forward (kernels/flash_fwd_sm90.cu) on an H100/H200, against the float64 reference.
+
+The other forward tests run it too wherever the dispatcher picks it (head dims 64 and 128 in
+16 bits on compute capability 9.0); these add what stresses its own machinery: many trips
+around the K/V ring (the mbarrier phases), row tiles split between its two consumer
+warpgroups, grouped heads and strided inputs through its loader, block-sparse lists and
+windows, and the same inputs through the mma.sync kernel for comparison. Skipped elsewhere.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU, requires_gpu
+from cuflash import _config
+from cuflash import masks as M
+from cuflash import reference as ref
+from gpu_util import check_forward, random_array, to_device
+
+
+def _has_wgmma():
+    if not HAS_GPU:
+        return False
+    import cupy
+
+    return _config.has_wgmma(cupy.cuda.Device().compute_capability)
+
+
+pytestmark = [requires_gpu, pytest.mark.skipif(not _has_wgmma(), reason="needs compute capability 9.0"),
+              pytest.mark.usefixtures("poisoned_pool")]
+
+DTYPES16 = ("float16", "bfloat16")
+
+
+def run(q, k, v, **kwargs):
+    import cuflash
+
+    return cuflash.attention(to_device(q), to_device(k), to_device(v), **kwargs)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", DTYPES16)
+def test_dispatcher_picks_wgmma(dtype, d):
+    for causal in (False, True):
+        for sparse in (False, True):
+            variant = _config.forward_config(dtype, d, d, causal, sparse=sparse, wgmma=True)
+            assert isinstance(variant, _config.HopperForward), variant
+    assert not isinstance(_config.forward_config(dtype, d, 2 * d, False, wgmma=True), _config.HopperForward)
+    with _config.wgmma_forward(False):
+        assert not isinstance(_config.forward_config(dtype, d, d, False, wgmma=True), _config.HopperForward)
+
+
+# Lengths around the 128-row and 64/128-key tiles, and long enough for many laps of the ring.
+LENGTHS = ((1, 1), (63, 65), (128, 128), (129, 127), (200, 1000), (1000, 200), (3000, 3001))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", DTYPES16)
+def test_lengths(dtype, d, causal, rng):
+    for nq, nk in LENGTHS:
+        q = random_array(rng, (1, 2, nq, d), dtype)
+        k = random_array(rng, (1, 2, nk, d), dtype)
+        v = random_array(rng, (1, 2, nk, d), dtype)
+        check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_same_answer_as_mma_sync_kernel(d, rng):
+    """Both kernels within the error rule on one input, and close to each other."""
+    dtype = "bfloat16"
+    q, k, v = (random_array(rng, (2, 4, 1500, d), dtype) for _ in range(3))
+    for causal in (False, True):
+        fast = run(q, k, v, causal=causal)
+        check_forward(fast, q, k, v, causal=causal, dtype=dtype)
+        with _config.wgmma_forward(False):
+            slow = run(q, k, v, causal=causal)
+        check_forward(slow, q, k, v, causal=causal, dtype=dtype)
+        np.testing.assert_allclose(fast.m.get(), slow.m.get(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(fast.l.get(), slow.l.get(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16)
+def test_grouped_heads_and_strided_views(dtype, rng):
+    """GQA (8 query heads on 2 k/v heads) read from (B, N, H, d) buffers in place."""
+    import cupy
+
+    import cuflash
+
+    b, n, d = 2, 700, 128
+    q = random_array(rng, (b, n, 8, d), dtype)
+    k = random_array(rng, (b, n, 2, d), dtype)
+    v = random_array(rng, (b, n, 2, d), dtype)
+    views = [cupy.asarray(x).swapaxes(1, 2) for x in (q, k, v)]
+    for causal in (False, True):
+        out = cuflash.attention(*views, causal=causal)
+        check_forward(out, *(x.swapaxes(1, 2) for x in (q, k, v)), causal=causal, dtype=dtype)
+
+
+@pytest.mark.parametrize("window", ((200, 0), (100, 50), (-1, 300)))
+@pytest.mark.parametrize("d", (64, 128))
+def test_windows(d, window, rng):
+    dtype = "bfloat16"
+    q, k, v = (random_array(rng, (1, 2, 1100, d), dtype) for _ in range(3))
+    mask = ref.element_mask(1100, 1100, window=window)
+    check_forward(run(q, k, v, window=window), q, k, v, causal=False, dtype=dtype, mask=mask)
+
+
+@pytest.mark.parametrize("block_size", (128, (64, 192), 100))
+@pytest.mark.parametrize("d", (64, 128))
+def test_block_sparse(d, block_size, rng):
+    """Patterns whose blocks match the kernel's tiles, are wider, or straddle them (partial tiles)."""
+    dtype = "float16"
+    n = 1300
+    bq, bk = M._block_pair(block_size)
+    tq, tk = -(-n // bq), -(-n // bk)
+    square = (M.butterfly(1 << (max(tq, tk) - 1).bit_length()) | M.global_tokens(max(tq, tk), 1)).to_dense()
+    mask = M.BlockMask.from_dense(square[:tq, :tk], block_size)
+    q, k, v = (random_array(rng, (1, 3, n, d), dtype) for _ in range(3))
+    elements = ref.element_mask(n, n, block_mask=mask)
+    for causal in (False, True):
+        out = run(q, k, v, causal=causal, block_mask=mask)
+        check_forward(out, q, k, v, causal=causal, dtype=dtype, mask=elements)
