@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import typing
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
@@ -164,11 +165,12 @@ class HopperForward(_Launch):
         )
 
 
-# (block_cols, stages) of the wgmma forward per head dim. Its consumers keep S (64 x block_cols)
-# and O (64 x head_dim) in fp32 registers under the 168 a thread that 384 threads get: 128-key
-# tiles spill at head dim 128.
-_SM90_FORWARD_TILES = {64: (128, 2), 128: (64, 2)}
-_wgmma_forward = [True]  # the switch wgmma_forward() flips
+# (block_cols, stages) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
+# fp32), P twice (the tile in P V and the next) and O (64 x head_dim fp32) in the 240 registers
+# a thread they take from the producer.
+_SM90_FORWARD_TILES = {64: (128, 2), 128: (128, 2)}
+# The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
+_wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
 @contextlib.contextmanager

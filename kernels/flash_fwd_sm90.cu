@@ -3,10 +3,9 @@
 //
 // A CTA owns 128 query rows and is three warpgroups with different jobs:
 //   producer     warpgroup 0 copies Q once and then each key tile's K and V into shared
-//                memory (a ring of STAGES buffers), signalling "full" mbarriers. (It keeps
-//                its share of registers: with setmaxnreg moving them to the consumers, ptxas
-//                still allocated the consumers under the 168 of the launch bound and the
-//                producer's copy loop spilled.)
+//                memory (a ring of STAGES buffers), signalling "full" mbarriers. It gives
+//                all but 24 of its registers to the consumers (setmaxnreg), so its copy
+//                loops stay rolled.
 //   consumers    warpgroups 1 and 2 own 64 query rows each. Per key tile:
 //                  S = Q K^T     wgmma, both operands from shared memory
 //                  softmax       online, in registers, as in flash_fwd.cu
@@ -53,55 +52,53 @@ struct Sm90Barriers {
     __device__ __forceinline__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
 };
 
-// The consumer warpgroups' side of flash_fwd_sm90_kernel: 64 query rows from row0 of the
-// CTA's tile, every key tile the producer delivers.
+// One consumer warpgroup's view of a key tile: where its operands are and how its scores are
+// masked and turned into P.
 template <typename T, int HD, int BC, int STAGES, bool CAUSAL, bool SPARSE>
-__device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
-                                        i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar) {
+struct Sm90Consumer {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
-    const int n_tiles = tiles.count;
-    const i64 nq = p.nq, nk = p.nk;
-    const int warpgroup = tid / 128;
-    const int ct = tid - 128 * warpgroup;  // thread in the warpgroup
-    const int row0 = 64 * (warpgroup - 1);  // the warpgroup's first row in the CTA's tile
-    const int warp = ct / 32, lane = ct % 32;
-    const i64 warp_q0 = q0 + row0 + 16 * warp;
-    const int my_col = 2 * (lane % 4);
-    const float scale_log2 = (float)p.scale_log2;
+    const FwdParams& p;
+    const TileList<SPARSE>& tiles;
+    const Band& band;
+    u32 sQ, sK, sV;
+    Sm90Barriers<STAGES> bar;
+    int row0;  // the warpgroup's first row in the CTA's tile
+    int lane, my_col;
+    i64 warp_q0;
     int clean_first, clean_last;  // this warp's key tiles that need no element mask
-    band.clean_key_tiles(warp_q0, 16, BC, nk, clean_first, clean_last);
+    float scale_log2;
 
-    float acc_o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
-    OnlineSoftmax<2> softmax;
-    softmax.init();
-
-    if (n_tiles > 0) sm90::mbarrier_wait(bar.q_full(), 0);
-    for (int t = 0; t < n_tiles; ++t) {
+    // Issues S = Q K^T of tile t (once its K has landed) and commits it as one wgmma group.
+    __device__ __forceinline__ void issue_s(float (&acc_s)[BC / 8][4], int t) const {
         const int s = t % STAGES;
-        const u32 parity = (t / STAGES) & 1;
-        const int k_tile = tiles.tile(t);
-        const i64 k0 = (i64)k_tile * BC;
-
-        // -- S = Q K^T --
-        float acc_s[BC / 8][4];
-        sm90::mbarrier_wait(bar.k_full(s), parity);
+        sm90::mbarrier_wait(bar.k_full(s), (t / STAGES) & 1);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
             sm90::wgmma_ss<T, BC>(acc_s, sm90::kmajor_desc<kSm90Rows>(sQ, row0, kk),
                                   sm90::kmajor_desc<BC>(sK + s * L::k_bytes, 0, kk), kk > 0);
         sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::fence_operand(acc_s);
-        sm90::mbarrier_arrive(bar.k_empty(s));
+    }
+    // Issues O += P V of tile t and commits it.
+    __device__ __forceinline__ void issue_pv(float (&acc_o)[HD / 8][4], const u32 (&p_frag)[BC / 16][4], int t) const {
+        const int s = t % STAGES;
+        sm90::mbarrier_wait(bar.v_full(s), (t / STAGES) & 1);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk)
+            sm90::wgmma_rs<T, HD>(acc_o, p_frag[kk], sm90::mnmajor_desc<BC>(sV + s * L::v_bytes, kk), 1);
+        sm90::wgmma_commit();
+    }
 
-        // -- mask: tiles crossing the key end or the band's edges, and partial blocks --
+    // Masks tile t's scores (tiles crossing the key end or the band's edges, partial blocks),
+    // folds them into the running statistics and replaces each score by its unnormalised
+    // probability, in place. Returns through `correction` the factor O must be rescaled by.
+    __device__ __forceinline__ void softmax_tile(float (&acc_s)[BC / 8][4], int t, OnlineSoftmax<2>& softmax,
+                                                 float (&correction)[2]) const {
+        const int k_tile = tiles.tile(t);
+        const i64 k0 = (i64)k_tile * BC;
         if (k_tile < clean_first || k_tile > clean_last) {
-            const TileMask mask(band, warp_q0, k0, nk);
+            const TileMask mask(band, warp_q0, k0, p.nk);
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
@@ -114,58 +111,111 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const i64 q = warp_q0 + lane / 4 + 8 * (e / 2), key = k0 + n * 8 + my_col + (e & 1);
-                    if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[n][e] = neg_inf();
+                    if (q >= p.nq || key >= p.nk || !tiles.block_present(p, q, key)) acc_s[n][e] = neg_inf();
                 }
         }
-
-        // -- online softmax; P packed as A fragments (flash_fwd.cu explains the layout) --
         float tile_max[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n) {
             tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[n][0], acc_s[n][1]));
             tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[n][2], acc_s[n][3]));
         }
-        float base_s[2], correction[2];
+        float base_s[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) correction[h] = softmax.advance(h, quad_max(tile_max[h]), scale_log2, base_s[h]);
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            acc_o[n][0] *= correction[0];
-            acc_o[n][1] *= correction[0];
-            acc_o[n][2] *= correction[1];
-            acc_o[n][3] *= correction[1];
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc_s[n][e] = fast_exp2((acc_s[n][e] - base_s[e / 2]) * scale_log2);
+                softmax.l[e / 2] += acc_s[n][e];
+            }
+    }
+};
+
+// P packed to 16 bits as wgmma A fragments: key columns 16kk..16kk+15 come from accumulator
+// tiles 2kk (registers 0, 1: row r, row r + 8) and 2kk + 1 (registers 2, 3).
+template <typename T, int BC>
+__device__ __forceinline__ void pack_p(const float (&acc_s)[BC / 8][4], u32 (&p_frag)[BC / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            p_frag[kk][2 * half] = pack2<T>(acc_s[2 * kk + half][0], acc_s[2 * kk + half][1]);
+            p_frag[kk][2 * half + 1] = pack2<T>(acc_s[2 * kk + half][2], acc_s[2 * kk + half][3]);
         }
+}
+
+template <int NT>
+__device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&correction)[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= correction[0];
+        acc[n][1] *= correction[0];
+        acc[n][2] *= correction[1];
+        acc[n][3] *= correction[1];
+    }
+}
+
+// The consumer warpgroups' side of flash_fwd_sm90_kernel: 64 query rows from row0 of the
+// CTA's tile, every key tile the producer delivers. Software-pipelined by one tile: S of tile
+// t + 1 is issued before P V of tile t, so that the tensor cores run P V while this warpgroup
+// exponentiates tile t + 1. Only the rescale of O waits for P V to finish.
+template <typename T, int HD, int BC, int STAGES, bool CAUSAL, bool SPARSE>
+__device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
+                                        i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar) {
+    const int n_tiles = tiles.count;
+    const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
+    Sm90Consumer<T, HD, BC, STAGES, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar};
+    c.row0 = 64 * (warpgroup - 1);
+    c.lane = ct % 32;
+    c.my_col = 2 * (c.lane % 4);
+    c.warp_q0 = q0 + c.row0 + 16 * warp;
+    c.scale_log2 = (float)p.scale_log2;
+    band.clean_key_tiles(c.warp_q0, 16, BC, p.nk, c.clean_first, c.clean_last);
+
+    float acc_o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    OnlineSoftmax<2> softmax;
+    softmax.init();
+
+    if (n_tiles > 0) {
+        sm90::mbarrier_wait(bar.q_full(), 0);
+        float acc_s[BC / 8][4];
         u32 p_frag[BC / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const float* sc = acc_s[2 * kk + half];
-                const float p0 = fast_exp2((sc[0] - base_s[0]) * scale_log2);
-                const float p1 = fast_exp2((sc[1] - base_s[0]) * scale_log2);
-                const float p2 = fast_exp2((sc[2] - base_s[1]) * scale_log2);
-                const float p3 = fast_exp2((sc[3] - base_s[1]) * scale_log2);
-                softmax.l[0] += p0 + p1;
-                softmax.l[1] += p2 + p3;
-                p_frag[kk][2 * half] = pack2<T>(p0, p1);
-                p_frag[kk][2 * half + 1] = pack2<T>(p2, p3);
+        float correction[2];
+        c.issue_s(acc_s, 0);
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(acc_s);
+        sm90::mbarrier_arrive(bar.k_empty(0));
+        c.softmax_tile(acc_s, 0, softmax, correction);  // O is 0: nothing to rescale
+        pack_p<T, BC>(acc_s, p_frag);
+        for (int t = 0; t < n_tiles; ++t) {
+            const bool more = t + 1 < n_tiles;
+            if (more) c.issue_s(acc_s, t + 1);
+            sm90::fence_operand(acc_o);
+            c.issue_pv(acc_o, p_frag, t);
+            if (more) {
+                sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
+                sm90::fence_operand(acc_s);
+                sm90::mbarrier_arrive(bar.k_empty((t + 1) % STAGES));
+                c.softmax_tile(acc_s, t + 1, softmax, correction);
+            }
+            sm90::wgmma_wait<0>();
+            sm90::fence_operand(acc_o);
+            sm90::mbarrier_arrive(bar.v_empty(t % STAGES));
+            if (more) {  // P V of t has read p_frag and written O: both are free now
+                rescale_rows(acc_o, correction);
+                pack_p<T, BC>(acc_s, p_frag);
             }
         }
-
-        // -- O += P V --
-        sm90::mbarrier_wait(bar.v_full(s), parity);
-        sm90::fence_operand(acc_o);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk)
-            sm90::wgmma_rs<T, HD>(acc_o, p_frag[kk], sm90::mnmajor_desc<BC>(sV + s * L::v_bytes, kk), 1);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::fence_operand(acc_o);
-        sm90::mbarrier_arrive(bar.v_empty(s));
     }
 
     // -- epilogue: O /= l, l and m in flash_fwd.cu's format --
+    const i64 nq = p.nq;
     float inv_l[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -176,16 +226,16 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     T* gO = static_cast<T*>(p.o) + bidx * nq * p.dv;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const i64 q = warp_q0 + lane / 4 + 8 * h;
+        const i64 q = c.warp_q0 + c.lane / 4 + 8 * h;
         if (q >= nq) continue;
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n) {
-            const int col = n * 8 + my_col;
+            const int col = n * 8 + c.my_col;
             if (col < p.dv)
                 *reinterpret_cast<u32*>(gO + q * p.dv + col) =
                     pack2<T>(acc_o[n][2 * h] * inv_l[h], acc_o[n][2 * h + 1] * inv_l[h]);
         }
-        if (lane % 4 == 0) {
+        if (c.lane % 4 == 0) {
             p.l[bidx * nq + q] = softmax.l[h];
             const float m = softmax.m[h];
             p.m[bidx * nq + q] = (m == neg_inf()) ? m : m * (float)p.scale;
@@ -229,6 +279,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
     if (warpgroup == 0) {
         // ---- producer: Q once, then K and V of every tile into the ring ----
+        sm90::release_registers<24>();
         const BatchOffsets off = batch_offsets(p, bidx);
         const T* gQ = static_cast<const T*>(p.q) + off.q;
         const T* gK = static_cast<const T*>(p.k) + off.k;
@@ -258,6 +309,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
             }
         }
     } else {
+        sm90::claim_registers<240>();
         consume<T, HD, BC, STAGES, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
     }
 }

@@ -24,13 +24,14 @@ __device__ __forceinline__ u32 swizzled_offset(int r, int u) {
 
 // Copies rows [row0, row0 + ROWS) and columns [0, COLS) of a row-major global matrix into a
 // swizzled tile with 16-byte cp.async, NT threads (thread index tid) sharing the work. Rows
-// at or past nrows and columns at or past ncols are zero-filled, never read.
+// at or past nrows and columns at or past ncols are zero-filled, never read. The loop stays
+// rolled: the producer warpgroup runs it with 24 registers a thread.
 template <int ROWS, int COLS, int NT, typename T>
 __device__ __forceinline__ void load_tile_swizzled(u32 smem, const T* gmem, i64 row_stride, i64 row0,
                                                    i64 nrows, i64 ncols, int tid) {
     constexpr int UNITS = COLS / 8;
     static_assert((ROWS * UNITS) % NT == 0, "whole rounds of copies");
-#pragma unroll
+#pragma unroll 1
     for (int it = 0; it < ROWS * UNITS / NT; ++it) {
         const int i = tid + it * NT;
         const int r = i / UNITS, u = i % UNITS;
@@ -177,6 +178,15 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
 // must be fenced against the async proxy by the writing thread.
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Register reallocation between warpgroups (needs the kernel's register cap at entry, from
+// __launch_bounds__(threads, 1)): producers give theirs to the consumers.
+template <int N> __device__ __forceinline__ void release_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void claim_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 }  // namespace sm90

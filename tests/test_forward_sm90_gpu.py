@@ -113,7 +113,8 @@ def test_block_sparse(d, block_size, rng):
     n = 1300
     bq, bk = M._block_pair(block_size)
     tq, tk = -(-n // bq), -(-n // bk)
-    square = (M.butterfly(1 << (max(tq, tk) - 1).bit_length()) | M.global_tokens(max(tq, tk), 1)).to_dense()
+    size = max(tq, tk)
+    square = M.butterfly(1 << (size - 1).bit_length()).to_dense()[:size, :size] | M.global_tokens(size, 1).to_dense()
     mask = M.BlockMask.from_dense(square[:tq, :tk], block_size)
     q, k, v = (random_array(rng, (1, 3, n, d), dtype) for _ in range(3))
     elements = ref.element_mask(n, n, block_mask=mask)
