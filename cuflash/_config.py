@@ -167,8 +167,9 @@ class HopperForward(_Launch):
 
 # (block_cols, stages) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
 # fp32), P twice (the tile in P V and the next) and O (64 x head_dim fp32) in the 240 registers
-# a thread they take from the producer.
-_SM90_FORWARD_TILES = {64: (128, 2), 128: (128, 2)}
+# a thread they take from the producer. Three stages: the consumers look one tile ahead (S of
+# t + 1 before P V of t), so two would leave no tile in flight.
+_SM90_FORWARD_TILES = {64: (128, 3), 128: (128, 3)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 

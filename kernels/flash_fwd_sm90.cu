@@ -72,6 +72,7 @@ struct Sm90Consumer {
     __device__ __forceinline__ void issue_s(float (&acc_s)[BC / 8][4], int t) const {
         const int s = t % STAGES;
         sm90::mbarrier_wait(bar.k_full(s), (t / STAGES) & 1);
+        sm90::fence_async_shared();  // the tile came through cp.async, the generic proxy
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
@@ -83,6 +84,7 @@ struct Sm90Consumer {
     __device__ __forceinline__ void issue_pv(float (&acc_o)[HD / 8][4], const u32 (&p_frag)[BC / 16][4], int t) const {
         const int s = t % STAGES;
         sm90::mbarrier_wait(bar.v_full(s), (t / STAGES) & 1);
+        sm90::fence_async_shared();
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk)
@@ -184,6 +186,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
 
     if (n_tiles > 0) {
         sm90::mbarrier_wait(bar.q_full(), 0);
+        sm90::fence_async_shared();
         float acc_s[BC / 8][4];
         u32 p_frag[BC / 16][4];
         float correction[2];
@@ -285,28 +288,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         const T* gK = static_cast<const T*>(p.k) + off.k;
         const T* gV = static_cast<const T*>(p.v) + off.v;
         if (n_tiles > 0) {
+            // Every copy completes on an mbarrier by itself (arrive.noinc), so the producer
+            // never waits for its own loads, only for buffers to free up: it runs up to
+            // STAGES tiles ahead of the consumers.
             sm90::load_tile_swizzled<kSm90Rows, HD, 128>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
-            cp_async_commit();
-            cp_async_wait<0>();
-            sm90::fence_async_shared();
-            sm90::mbarrier_arrive(bar.q_full());
+            sm90::cp_async_arrive(bar.q_full());
             for (int t = 0; t < n_tiles; ++t) {
                 const int s = t % STAGES;
                 const u32 reuse_parity = ((t / STAGES) & 1) ^ 1;  // the previous round's release
                 const i64 k0 = (i64)tiles.tile(t) * BC;
                 if (t >= STAGES) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
                 sm90::load_tile_swizzled<BC, HD, 128>(sK + s * L::k_bytes, gK, p.k_row_stride, k0, nk, p.d, tid);
-                cp_async_commit();
+                sm90::cp_async_arrive(bar.k_full(s));
                 if (t >= STAGES) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
                 sm90::load_tile_swizzled<BC, HD, 128>(sV + s * L::v_bytes, gV, p.v_row_stride, k0, nk, p.dv, tid);
-                cp_async_commit();
-                cp_async_wait<1>();
-                sm90::fence_async_shared();
-                sm90::mbarrier_arrive(bar.k_full(s));
-                cp_async_wait<0>();
-                sm90::fence_async_shared();
-                sm90::mbarrier_arrive(bar.v_full(s));
+                sm90::cp_async_arrive(bar.v_full(s));
             }
+            cp_async_wait<0>();  // nothing may be in flight when the thread exits
         }
     } else {
         sm90::claim_registers<240>();

@@ -174,8 +174,15 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// Arrives on the barrier once every cp.async this thread has issued so far has landed,
+// without waiting for them here (the barrier's count includes this arrival: noinc).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // Shared memory written through the generic proxy (cp.async, st.shared) that wgmma reads next
-// must be fenced against the async proxy by the writing thread.
+// must be fenced against the async proxy. The kernels fence in the reading threads, after the
+// mbarrier wait that made the writes visible to them.
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
