@@ -134,6 +134,7 @@ class HopperForward(_Launch):
     head_dim: int  # d = dv = head_dim exactly (64 or 128)
     block_cols: int
     stages: int
+    overlap: bool  # S of the next tile issued before P V of this one
     causal: bool
     sparse: bool = False
 
@@ -154,24 +155,30 @@ class HopperForward(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
-            f"{self.stages}, {_flag(self.causal)}, {_flag(self.sparse)}>"
+            f"{self.stages}, {_flag(self.overlap)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
         return (
-            f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}"
+            f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
 
 
-# (block_cols, stages) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
+# (block_cols, stages, overlap) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
 # fp32), P twice (the tile in P V and the next) and O (64 x head_dim fp32) in the 240 registers
 # a thread they take from the producer. Three stages: the consumers look one tile ahead (S of
 # t + 1 before P V of t), so two would leave no tile in flight.
-_SM90_FORWARD_TILES = {64: (128, 3), 128: (128, 3)}
+_SM90_FORWARD_TILES = {64: (128, 3, True), 128: (128, 3, True)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
+
+
+@contextlib.contextmanager
+def sm90_tiles_override(tiles_by_head_dim):
+    """Temporarily replace _SM90_FORWARD_TILES entries {head_dim: (block_cols, stages, overlap)}."""
+    return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@
 // A CTA owns 128 query rows and is three warpgroups with different jobs:
 //   producer     warpgroup 0 copies Q once and then each key tile's K and V into shared
 //                memory (a ring of STAGES buffers), signalling "full" mbarriers. It gives
-//                all but 24 of its registers to the consumers (setmaxnreg), so its copy
+//                all but 32 of its registers to the consumers (setmaxnreg), so its copy
 //                loops stay rolled.
 //   consumers    warpgroups 1 and 2 own 64 query rows each. Per key tile:
 //                  S = Q K^T     wgmma, both operands from shared memory
@@ -54,7 +54,7 @@ struct Sm90Barriers {
 
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
 // masked and turned into P.
-template <typename T, int HD, int BC, int STAGES, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool CAUSAL, bool SPARSE>
 struct Sm90Consumer {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     const FwdParams& p;
@@ -160,15 +160,17 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 }
 
 // The consumer warpgroups' side of flash_fwd_sm90_kernel: 64 query rows from row0 of the
-// CTA's tile, every key tile the producer delivers. Software-pipelined by one tile: S of tile
-// t + 1 is issued before P V of tile t, so that the tensor cores run P V while this warpgroup
-// exponentiates tile t + 1. Only the rescale of O waits for P V to finish.
-template <typename T, int HD, int BC, int STAGES, bool CAUSAL, bool SPARSE>
+// CTA's tile, every key tile the producer delivers. With OVERLAP, software-pipelined by one
+// tile: S of tile t + 1 is issued before P V of tile t, so that the tensor cores run P V while
+// this warpgroup exponentiates tile t + 1; only the rescale of O waits for P V to finish.
+// Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
+// gaps).
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool CAUSAL, bool SPARSE>
 __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
                                         i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar) {
     const int n_tiles = tiles.count;
     const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
-    Sm90Consumer<T, HD, BC, STAGES, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar};
+    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar};
     c.row0 = 64 * (warpgroup - 1);
     c.lane = ct % 32;
     c.my_col = 2 * (c.lane % 4);
@@ -198,10 +200,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
         pack_p<T, BC>(acc_s, p_frag);
         for (int t = 0; t < n_tiles; ++t) {
             const bool more = t + 1 < n_tiles;
-            if (more) c.issue_s(acc_s, t + 1);
+            if (OVERLAP && more) c.issue_s(acc_s, t + 1);
             sm90::fence_operand(acc_o);
             c.issue_pv(acc_o, p_frag, t);
-            if (more) {
+            if (OVERLAP && more) {
                 sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
                 sm90::fence_operand(acc_s);
                 sm90::mbarrier_arrive(bar.k_empty((t + 1) % STAGES));
@@ -211,6 +213,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
             sm90::fence_operand(acc_o);
             sm90::mbarrier_arrive(bar.v_empty(t % STAGES));
             if (more) {  // P V of t has read p_frag and written O: both are free now
+                if (!OVERLAP) {
+                    c.issue_s(acc_s, t + 1);
+                    sm90::wgmma_wait<0>();
+                    sm90::fence_operand(acc_s);
+                    sm90::mbarrier_arrive(bar.k_empty((t + 1) % STAGES));
+                    c.softmax_tile(acc_s, t + 1, softmax, correction);
+                }
                 rescale_rows(acc_o, correction);
                 pack_p<T, BC>(acc_s, p_frag);
             }
@@ -246,7 +255,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     }
 }
 
-template <typename T, int HD, int BC, int STAGES, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool CAUSAL, bool SPARSE>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -282,7 +291,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
     if (warpgroup == 0) {
         // ---- producer: Q once, then K and V of every tile into the ring ----
-        sm90::release_registers<24>();
+        sm90::release_registers<32>();
         const BatchOffsets off = batch_offsets(p, bidx);
         const T* gQ = static_cast<const T*>(p.q) + off.q;
         const T* gK = static_cast<const T*>(p.k) + off.k;
@@ -308,7 +317,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         }
     } else {
         sm90::claim_registers<240>();
-        consume<T, HD, BC, STAGES, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
+        consume<T, HD, BC, STAGES, OVERLAP, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
     }
 }
 

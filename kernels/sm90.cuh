@@ -24,20 +24,28 @@ __device__ __forceinline__ u32 swizzled_offset(int r, int u) {
 
 // Copies rows [row0, row0 + ROWS) and columns [0, COLS) of a row-major global matrix into a
 // swizzled tile with 16-byte cp.async, NT threads (thread index tid) sharing the work. Rows
-// at or past nrows and columns at or past ncols are zero-filled, never read. The loop stays
-// rolled: the producer warpgroup runs it with 24 registers a thread.
+// at or past nrows and columns at or past ncols are zero-filled, never read.
+// NT is a multiple of the row's 16-byte units, so a thread copies one fixed unit u of every
+// STEP-th row; STEP is a multiple of 8, so the unit's swizzled position is the same in all
+// its rows and both addresses just advance. The loop stays rolled: the producer warpgroup
+// runs it with 32 registers a thread.
 template <int ROWS, int COLS, int NT, typename T>
 __device__ __forceinline__ void load_tile_swizzled(u32 smem, const T* gmem, i64 row_stride, i64 row0,
                                                    i64 nrows, i64 ncols, int tid) {
     constexpr int UNITS = COLS / 8;
-    static_assert((ROWS * UNITS) % NT == 0, "whole rounds of copies");
+    constexpr int STEP = NT / UNITS;
+    static_assert(NT % UNITS == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "fixed unit per thread");
+    const int r = tid / UNITS, u = tid % UNITS;
+    const T* src = gmem + (row0 + r) * row_stride + u * 8;
+    u32 dst = smem + swizzled_offset<ROWS>(r, u);
+    const i64 rows_left = nrows - row0 - r;
+    const bool col_ok = u * 8 < ncols;
 #pragma unroll 1
-    for (int it = 0; it < ROWS * UNITS / NT; ++it) {
-        const int i = tid + it * NT;
-        const int r = i / UNITS, u = i % UNITS;
-        const bool valid = (row0 + r < nrows) && (u * 8 < ncols);
-        const T* src = valid ? gmem + (row0 + r) * row_stride + u * 8 : gmem;
-        cp_async_16(smem + swizzled_offset<ROWS>(r, u), src, valid);
+    for (int it = 0; it < ROWS / STEP; ++it) {
+        const bool valid = col_ok && it * STEP < rows_left;
+        cp_async_16(dst, valid ? src : gmem, valid);
+        src += STEP * row_stride;
+        dst += STEP * kSwizzleRowBytes;
     }
 }
 

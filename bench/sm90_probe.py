@@ -1,0 +1,60 @@
+"""Tuning probe for the wgmma forward: forward TFLOP/s of (block_cols, stages, overlap) settings
+of kernels/flash_fwd_sm90.cu next to the mma.sync kernel and SDPA's flash and cuDNN backends,
+in one process on one GPU (bf16, 16k tokens, hidden 2048, as cuflash-bench).
+
+    python bench/sm90_probe.py [--seqlens 4096 16384] [--configs 128,3,1 128,2,0 ...]
+"""
+
+import argparse
+import statistics
+
+import torch
+
+import cuflash
+from cuflash import _config
+
+
+def time_ms(fn, repeats=20):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--configs", nargs="+", default=["128,3,1", "128,3,0", "128,2,0", "64,3,1"])
+    args = parser.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    print("hdim causal seq | " + " | ".join(f"sm90{c}" for c in configs) + " | mma.sync | sdpa_flash | sdpa_cudnn")
+    for hd in args.hdims:
+        for causal in (False, True):
+            for seq in args.seqlens:
+                batch, heads = 16384 // seq, 2048 // hd
+                q, k, v = (torch.randn(batch, heads, seq, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * seq * seq * hd * heads * batch / (2 if causal else 1)
+                row = []
+                for bc, stages, overlap in configs:
+                    with _config.sm90_tiles_override({hd: (bc, stages, bool(overlap))}):
+                        row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))
+                with _config.wgmma_forward(False):
+                    row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))
+                for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                    with sdpa_kernel(backend):
+                        row.append(time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+                print(f"{hd} {int(causal)} {seq} | " + " | ".join(f"{flops / t / 1e9:.0f}" for t in row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
