@@ -167,7 +167,7 @@ class HopperForward(_Launch):
 
 
 # (block_cols, stages, overlap) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
-# fp32), P twice (the tile in P V and the next) and O (64 x head_dim fp32) in the 240 registers
+# fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
 # a thread they take from the producer. Three stages: the consumers look one tile ahead (S of
 # t + 1 before P V of t), so two would leave no tile in flight.
 _SM90_FORWARD_TILES = {64: (128, 3, True), 128: (128, 3, True)}
@@ -175,7 +175,6 @@ _SM90_FORWARD_TILES = {64: (128, 3, True), 128: (128, 3, True)}
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
-@contextlib.contextmanager
 def sm90_tiles_override(tiles_by_head_dim):
     """Temporarily replace _SM90_FORWARD_TILES entries {head_dim: (block_cols, stages, overlap)}."""
     return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)

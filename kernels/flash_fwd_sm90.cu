@@ -4,7 +4,7 @@
 // A CTA owns 128 query rows and is three warpgroups with different jobs:
 //   producer     warpgroup 0 copies Q once and then each key tile's K and V into shared
 //                memory (a ring of STAGES buffers), signalling "full" mbarriers. It gives
-//                all but 32 of its registers to the consumers (setmaxnreg), so its copy
+//                all but 24 of its registers to the consumers (setmaxnreg), so its copy
 //                loops stay rolled.
 //   consumers    warpgroups 1 and 2 own 64 query rows each. Per key tile:
 //                  S = Q K^T     wgmma, both operands from shared memory
@@ -24,6 +24,10 @@ namespace cuflash {
 
 constexpr int kSm90Rows = 128;        // query rows per CTA: two consumer warpgroups of 64
 constexpr int kSm90Threads = 3 * 128;  // producer + two consumers
+// setmaxnreg moves registers within what the CTA was launched with: 168 a thread (the cap of
+// 384 threads on one CTA per SM). Asking for more than that in total never returns.
+constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 168 * kSm90Threads, "register budget");
 
 template <int HD, int BC, int STAGES>
 struct Sm90SmemLayout {
@@ -291,7 +295,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
     if (warpgroup == 0) {
         // ---- producer: Q once, then K and V of every tile into the ring ----
-        sm90::release_registers<32>();
+        sm90::release_registers<kProducerRegisters>();
         const BatchOffsets off = batch_offsets(p, bidx);
         const T* gQ = static_cast<const T*>(p.q) + off.q;
         const T* gK = static_cast<const T*>(p.k) + off.k;
@@ -316,7 +320,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
             cp_async_wait<0>();  // nothing may be in flight when the thread exits
         }
     } else {
-        sm90::claim_registers<240>();
+        sm90::claim_registers<kConsumerRegisters>();
         consume<T, HD, BC, STAGES, OVERLAP, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
     }
 }
