@@ -24,7 +24,7 @@ for stage in $stages; do
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
       ;;
     bench)  # cuflash-bench: speed, memory, IO and block-sparse tables
-      python3 -m bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
+      python3 -m bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
       summary+=("bench: rc=${PIPESTATUS[0]} (tables above, $OUT/bench.md)")
       ;;
     compile)
