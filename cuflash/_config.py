@@ -141,6 +141,11 @@ class HopperForward(_Launch):
     source = "flash_fwd_sm90.cu"
     block_rows = 128
     warps = 12
+    # The producer warpgroup runs its copy loop in 24 registers a thread and spills 120 bytes
+    # there (stack 48); the consumers do not spill. 40 producer / 232 consumer registers
+    # compile with no spill at all, but that split has not run on a GPU yet (the tested
+    # kernel is the 24 / 240 one), so the allowance stays until it has.
+    spill_allowance = 128
 
     @property
     def head_dim_v(self) -> int:

@@ -28,6 +28,12 @@ DEFAULT_ARCHS = ("sm_80", "sm_90a")
 SPILL_BUDGET_BYTES = 48
 
 
+def spill_budget(variant, default: int = SPILL_BUDGET_BYTES) -> int:
+    """The spill budget of one variant: the default, or the variant's own documented allowance
+    (``spill_allowance``) where that is larger."""
+    return max(default, getattr(variant, "spill_allowance", 0))
+
+
 def _compile_chunk(task):
     source, exprs, arch = task
     return arch, _loader.compile_offline(source, exprs, arch)
@@ -101,13 +107,14 @@ def main(argv=None) -> int:
         print(exc, file=sys.stderr)
         return 1
     table = [
-        (v.key, arch, r["registers"], r["stack"], r["spill_stores"], r["spill_loads"])
+        (v.key, arch, r["registers"], r["stack"], r["spill_stores"], r["spill_loads"], spill_budget(v, args.spill_budget))
         for v, arch, r in rows
     ]
-    print(tabulate(table, headers=("variant", "arch", "regs", "stack B", "spill st B", "spill ld B")))
+    print(tabulate(table, headers=("variant", "arch", "regs", "stack B", "spill st B", "spill ld B", "budget B")))
     spilled = [row for row in table if row[4] or row[5]]
-    over = [row for row in spilled if row[4] > args.spill_budget]
-    print(f"\n{len(table)} variant builds, {len(spilled)} with spills, {len(over)} over {args.spill_budget} B")
+    over = [row for row in spilled if row[4] > row[6]]
+    print(f"\n{len(table)} variant builds, {len(spilled)} with spills, {len(over)} over their budget "
+          f"({args.spill_budget} B unless the variant documents more)")
     for row in spilled:
         print(f"SPILL: {row[0]} on {row[1]}: {row[4]} B stored, {row[5]} B loaded", file=sys.stderr)
     return 1 if over else 0

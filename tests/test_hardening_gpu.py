@@ -345,10 +345,12 @@ def test_threads_on_first_use_compile_each_variant_once(monkeypatch, rng):
     with concurrent.futures.ThreadPoolExecutor(len(inputs)) as pool:
         results = list(pool.map(work, range(len(inputs))))
     expected = set()
-    hopper = _config.is_hopper(cupy.cuda.Device().compute_capability)
+    arch = cupy.cuda.Device().compute_capability
+    hopper, wgmma = _config.is_hopper(arch), _config.has_wgmma(arch)
     for dtype, d, causal in problems:
         plan = _config.backward_plan(dtype, d, d, causal, False, hopper=hopper)
-        kernels = (_config.forward_config(dtype, d, d, causal), plan.preprocess, *plan.key_passes, plan.dq)
+        forward = _config.forward_config(dtype, d, d, causal, wgmma=wgmma)
+        kernels = (forward, plan.preprocess, *plan.key_passes, plan.dq)
         expected |= {x.name_expression for x in kernels if x is not None}
     assert expected <= set(builds) and all(n == 1 for n in builds.values()), dict(builds)
     for index, result in enumerate(results):
