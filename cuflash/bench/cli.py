@@ -325,18 +325,6 @@ def io_dtype(args) -> str:
     return next((d for d in args.dtypes if d in ("bfloat16", "float16")), "bfloat16")
 
 
-def _device_has_wgmma() -> bool:
-    """Whether the current GPU runs the wgmma forward (False without a GPU)."""
-    from cuflash import _config
-
-    try:
-        import cupy
-
-        return _config.has_wgmma(cupy.cuda.Device().compute_capability)
-    except Exception:  # no CuPy, driver or device: the listing is for the mma.sync kernels
-        return False
-
-
 def kernel_variants(args) -> list:
     """Every cuflash kernel variant the selected tables will launch (16-bit and float32
     forward and backward per dtype, head dim and causal setting, the IO table's tile sweep,
@@ -344,7 +332,7 @@ def kernel_variants(args) -> list:
     from cuflash import _config
 
     shapes = set()  # (dtype, head dim, causal)
-    wgmma = _device_has_wgmma()
+    wgmma = common.device_has_wgmma()
     if "speed" in args.tables:
         shapes |= {(t, h, c) for t in args.dtypes for h in args.hdims for c in args.causal_modes}
     if "memory" in args.tables:

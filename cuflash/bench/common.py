@@ -49,6 +49,18 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # ---- pure helpers (no GPU) ---------------------------------------------------------------
 
 
+def device_has_wgmma() -> bool:
+    """Whether the current GPU runs cuflash's wgmma forward (False without a GPU)."""
+    from cuflash import _config
+
+    try:
+        import cupy
+
+        return _config.has_wgmma(cupy.cuda.Device().compute_capability)
+    except Exception:  # no CuPy, driver or device: the mma.sync kernels are the ones described
+        return False
+
+
 def problem_shape(seq: int, hdim: int, tokens: int = TOKENS, hidden: int = HIDDEN) -> tuple:
     """(batch, heads, seq, hdim) of the papers' harness: batch = tokens // seq and
     heads = hidden // hdim, never below 1."""
