@@ -558,11 +558,21 @@ def all_variants(hopper: bool = True, wgmma: typing.Optional[bool] = None):
     return all_forward_variants(hopper if wgmma is None else wgmma) + all_backward_variants(hopper)
 
 
+def variants_for(arch: str):
+    """all_variants() for one architecture ('sm_80', 'sm_90a', or a compute capability '90')."""
+    return all_variants(is_hopper(arch), has_wgmma(arch))
+
+
+def _capability(arch: str) -> int:
+    """'sm_90a' / '90' -> 90."""
+    return int("".join(c for c in arch if c.isdigit()))
+
+
 def has_wgmma(arch: str) -> bool:
     """'sm_90a' / '90' -> True: wgmma exists on compute capability 9.0 only (sm_90a code)."""
-    return "".join(c for c in arch if c.isdigit()) == "90"
+    return _capability(arch) == 90
 
 
 def is_hopper(arch: str) -> bool:
     """'sm_90a' / '90' (compute capability) -> True; 'sm_80' / '86' -> False."""
-    return int("".join(c for c in arch if c.isdigit())) >= 90
+    return _capability(arch) >= 90

@@ -45,7 +45,7 @@ def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
     Variants are compiled in chunks of one source file, spread over ``jobs`` processes.
     """
     per_arch = {
-        arch: list(variants if variants is not None else _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch)))
+        arch: list(variants if variants is not None else _config.variants_for(arch))
         for arch in archs
     }
     tasks = []
@@ -69,8 +69,7 @@ def check(archs=DEFAULT_ARCHS, variants=None, jobs=None, chunk=12):
 def _current_variants():
     import cupy
 
-    arch = cupy.cuda.Device().compute_capability
-    return _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch))
+    return _config.variants_for(cupy.cuda.Device().compute_capability)
 
 
 def _warm_one(index):

@@ -143,11 +143,12 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     failures = 0
     arch = cupy.cuda.Device().compute_capability
-    runs = [(case, True) for case in cases(args.subset)]
+    case_list = cases(args.subset)
+    runs = [(case, True) for case in case_list]
     if _config.has_wgmma(arch):
         # The mma.sync forwards that the wgmma one replaces stay reachable (CUFLASH_WGMMA=0):
         # run their cases once more with it off.
-        runs += [(case, False) for case in cases(args.subset)
+        runs += [(case, False) for case in case_list
                  if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
     for case, wgmma in runs:
         start = time.perf_counter()
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         failures += not finite
         label = "" if wgmma else " (wgmma off)"
         print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
-    known = {v.key for v in _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch))}
+    known = {v.key for v in _config.variants_for(arch)}
     missing = sorted(known - launched)
     print(f"covered {len(known & launched)} of {len(known)} dispatcher variants"
           + (f", {len(launched - known)} more not in _config.all_variants()" if launched - known else "")

@@ -16,7 +16,7 @@ def reports():
 def test_every_variant_builds_for_each_arch(reports):
     built = {(v.key, arch) for v, arch, _ in reports}
     assert built == {(v.key, arch) for arch in compile_check.DEFAULT_ARCHS
-                     for v in _config.all_variants(_config.is_hopper(arch), _config.has_wgmma(arch))}
+                     for v in _config.variants_for(arch)}
 
 
 def test_spill_allowances_are_exceptions():
@@ -27,8 +27,8 @@ def test_spill_allowances_are_exceptions():
 
 
 def test_wgmma_variants_only_for_sm90a():
-    sm80 = {v.source for v in _config.all_variants(_config.is_hopper("sm_80"), _config.has_wgmma("sm_80"))}
-    sm90 = {v.source for v in _config.all_variants(_config.is_hopper("sm_90a"), _config.has_wgmma("sm_90a"))}
+    sm80 = {v.source for v in _config.variants_for("sm_80")}
+    sm90 = {v.source for v in _config.variants_for("sm_90a")}
     assert "flash_fwd_sm90.cu" not in sm80 and "flash_fwd_sm90.cu" in sm90
     assert not _config.has_wgmma("sm_100") and _config.has_wgmma("90")
 
