@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import math
 import struct
@@ -11,7 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _config, _loader
+from . import _config, _loader, _tma
 from .masks import DEFAULT_BLOCK_SIZE, BlockMask, _block_pair, window_option
 
 MAX_LEAD_DIMS = 4  # kMaxLead in kernels/common.cuh
@@ -435,7 +436,15 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         mask_strides = layout.extra_strides[-1] if mask is not None else ()
         sparsity = _sparsity_fields(mask, mask_strides, nq, nk, variant, transpose=False, causal=causal, window=window)
         params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale, sparsity)
-        _launch(variant, -(-nq // variant.block_rows), num_batch, (params,), d, dv)
+        args = (params,)
+        if isinstance(variant, _config.HopperForward):
+            maps = _tma.forward_maps(q, k, v, nq, nk, d, layout, row_strides, variant.block_rows,
+                                     variant.block_cols) if variant.tma else None
+            if maps is None:  # the copy engine cannot map these inputs: the cp.async form
+                variant = dataclasses.replace(variant, tma=False)
+                maps = _tma.empty_maps()
+            args = (params, maps)
+        _launch(variant, -(-nq // variant.block_rows), num_batch, args, d, dv)
     return AttentionOutput(o, l, m)
 
 

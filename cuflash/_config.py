@@ -135,6 +135,8 @@ class HopperForward(_Launch):
     block_cols: int
     stages: int
     overlap: bool  # S of the next tile issued before P V of this one
+    pingpong: bool  # the two consumer warpgroups take turns issuing matmuls
+    tma: bool  # bulk tensor copies (needs tensor maps: cuflash/_tma.py), else cp.async
     causal: bool
     sparse: bool = False
 
@@ -160,28 +162,31 @@ class HopperForward(_Launch):
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
-            f"{self.stages}, {_flag(self.overlap)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
+            f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
+            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
         return (
             f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
+            f"_p{int(self.pingpong)}_t{int(self.tma)}"
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
 
 
-# (block_cols, stages, overlap) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
+# (block_cols, stages, overlap, pingpong, tma) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
 # fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
 # a thread they take from the producer. Overlap (S of t + 1 issued before P V of t) measured
 # slower on the H200 than letting the two consumer warpgroups interleave (bench/NOTES.md).
-_SM90_FORWARD_TILES = {64: (128, 3, False), 128: (128, 3, False)}
+_SM90_FORWARD_TILES = {64: (128, 3, False, True, True), 128: (128, 3, False, True, True)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
 def sm90_tiles_override(tiles_by_head_dim):
-    """Temporarily replace _SM90_FORWARD_TILES entries {head_dim: (block_cols, stages, overlap)}."""
+    """Temporarily replace _SM90_FORWARD_TILES entries
+    {head_dim: (block_cols, stages, overlap, pingpong, tma)}."""
     return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)
 
 
@@ -236,9 +241,14 @@ def all_forward_variants(wgmma: bool = False):
     """Every variant the dispatcher can pick (what the offline compile check builds)."""
     variants = []
     if wgmma:
-        variants += [forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True)
-                     for sparse in (False, True) for causal in (False, True)
-                     for dtype in ("float16", "bfloat16") for hd in sorted(_SM90_FORWARD_TILES)]
+        for sparse in (False, True):
+            for causal in (False, True):
+                for dtype in ("float16", "bfloat16"):
+                    for hd in sorted(_SM90_FORWARD_TILES):
+                        variant = forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True)
+                        variants.append(variant)
+                        if variant.tma:  # inputs the copy engine cannot map run the cp.async form
+                            variants.append(dataclasses.replace(variant, tma=False))
     for sparse in (False, True):
         for causal in (False, True):
             for dtype in ("float16", "bfloat16"):

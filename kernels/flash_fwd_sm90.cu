@@ -3,15 +3,17 @@
 //
 // A CTA owns 128 query rows and is three warpgroups with different jobs:
 //   producer     warpgroup 0 copies Q once and then each key tile's K and V into shared
-//                memory (a ring of STAGES buffers), signalling "full" mbarriers. It gives
-//                all but 24 of its registers to the consumers (setmaxnreg), so its copy
-//                loops stay rolled.
+//                memory (a ring of STAGES buffers), signalling "full" mbarriers: with TMA,
+//                one thread issues bulk tensor copies (maps from cuflash/_tma.py); without,
+//                all 128 issue 16-byte cp.async. It gives all but 24 of its registers to the
+//                consumers (setmaxnreg), so its copy loops stay rolled.
 //   consumers    warpgroups 1 and 2 own 64 query rows each. Per key tile:
 //                  S = Q K^T     wgmma, both operands from shared memory
 //                  softmax       online, in registers, as in flash_fwd.cu
 //                  O += P V      wgmma with P from registers (the accumulator layout of S is
 //                                the A-operand layout) and V from shared memory, transposed
-//                and release the buffers through "empty" mbarriers.
+//                and release the buffers through "empty" mbarriers. With PINGPONG they take
+//                turns issuing matmuls (named barriers), one's softmax under the other's.
 // S and P never leave the registers; O, l and m are written once, in flash_fwd.cu's format.
 // Masking (causal, window, block-sparse lists and partial blocks) uses mask.cuh like every
 // other kernel.
@@ -58,7 +60,7 @@ struct Sm90Barriers {
 
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
 // masked and turned into P.
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool CAUSAL, bool SPARSE>
 struct Sm90Consumer {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     const FwdParams& p;
@@ -66,17 +68,34 @@ struct Sm90Consumer {
     const Band& band;
     u32 sQ, sK, sV;
     Sm90Barriers<STAGES> bar;
-    int row0;  // the warpgroup's first row in the CTA's tile
+    int warpgroup;  // 1 or 2
+    int row0;       // the warpgroup's first row in the CTA's tile
     int lane, my_col;
     i64 warp_q0;
     int clean_first, clean_last;  // this warp's key tiles that need no element mask
     float scale_log2;
 
+    // Ping-pong (PINGPONG): the two consumer warpgroups take turns issuing their matmuls, so
+    // that one's softmax runs while the other's wgmmas occupy the tensor cores. Warpgroup w
+    // waits on named barrier w before issuing and then lets the other one go; warpgroup 1
+    // starts (warpgroup 2 arrives on barrier 1 once up front and skips its last pass, which
+    // keeps both barriers balanced: every turn of one is matched by a pass of the other).
+    __device__ __forceinline__ void begin_turn() const {
+        if (!PINGPONG) return;
+        if (warpgroup == 1) sm90::named_barrier_sync<1, 256>();
+        else sm90::named_barrier_sync<2, 256>();
+    }
+    __device__ __forceinline__ void end_turn(bool last) const {
+        if (!PINGPONG) return;
+        if (warpgroup == 1) sm90::named_barrier_arrive<2, 256>();
+        else if (!last) sm90::named_barrier_arrive<1, 256>();
+    }
+
     // Issues S = Q K^T of tile t (once its K has landed) and commits it as one wgmma group.
     __device__ __forceinline__ void issue_s(float (&acc_s)[BC / 8][4], int t) const {
         const int s = t % STAGES;
         sm90::mbarrier_wait(bar.k_full(s), (t / STAGES) & 1);
-        sm90::fence_async_shared();  // the tile came through cp.async, the generic proxy
+        if (!TMA) sm90::fence_async_shared();  // the tile came through cp.async, the generic proxy
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
@@ -88,7 +107,7 @@ struct Sm90Consumer {
     __device__ __forceinline__ void issue_pv(float (&acc_o)[HD / 8][4], const u32 (&p_frag)[BC / 16][4], int t) const {
         const int s = t % STAGES;
         sm90::mbarrier_wait(bar.v_full(s), (t / STAGES) & 1);
-        sm90::fence_async_shared();
+        if (!TMA) sm90::fence_async_shared();
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk)
@@ -169,12 +188,13 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // this warpgroup exponentiates tile t + 1; only the rescale of O waits for P V to finish.
 // Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
 // gaps).
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool CAUSAL, bool SPARSE>
 __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
                                         i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar) {
     const int n_tiles = tiles.count;
     const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
-    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar};
+    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar};
+    c.warpgroup = warpgroup;
     c.row0 = 64 * (warpgroup - 1);
     c.lane = ct % 32;
     c.my_col = 2 * (c.lane % 4);
@@ -192,21 +212,29 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
 
     if (n_tiles > 0) {
         sm90::mbarrier_wait(bar.q_full(), 0);
-        sm90::fence_async_shared();
+        if (!TMA) sm90::fence_async_shared();
+        if (PINGPONG && warpgroup == 2) sm90::named_barrier_arrive<1, 256>();
         float acc_s[BC / 8][4];
         u32 p_frag[BC / 16][4];
         float correction[2];
+        c.begin_turn();
         c.issue_s(acc_s, 0);
+        c.end_turn(false);
         sm90::wgmma_wait<0>();
         sm90::fence_operand(acc_s);
         sm90::mbarrier_arrive(bar.k_empty(0));
         c.softmax_tile(acc_s, 0, softmax, correction);  // O is 0: nothing to rescale
         pack_p<T, BC>(acc_s, p_frag);
+        // Per tile t, one turn issues both matmuls back to back: P V of t and S of t + 1
+        // (OVERLAP: S first, and the softmax of t + 1 runs while P V of t is still in flight).
         for (int t = 0; t < n_tiles; ++t) {
             const bool more = t + 1 < n_tiles;
-            if (OVERLAP && more) c.issue_s(acc_s, t + 1);
             sm90::fence_operand(acc_o);
+            c.begin_turn();
+            if (OVERLAP && more) c.issue_s(acc_s, t + 1);
             c.issue_pv(acc_o, p_frag, t);
+            if (!OVERLAP && more) c.issue_s(acc_s, t + 1);
+            c.end_turn(!more);
             if (OVERLAP && more) {
                 sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
                 sm90::fence_operand(acc_s);
@@ -218,8 +246,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
             sm90::mbarrier_arrive(bar.v_empty(t % STAGES));
             if (more) {  // P V of t has read p_frag and written O: both are free now
                 if (!OVERLAP) {
-                    c.issue_s(acc_s, t + 1);
-                    sm90::wgmma_wait<0>();
                     sm90::fence_operand(acc_s);
                     sm90::mbarrier_arrive(bar.k_empty((t + 1) % STAGES));
                     c.softmax_tile(acc_s, t + 1, softmax, correction);
@@ -259,9 +285,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     }
 }
 
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool CAUSAL, bool SPARSE>
 __global__ void __launch_bounds__(kSm90Threads, 1)
-flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
+flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
     static_assert(BC == 64 || BC == 128, "key tiles of 64 or 128");
@@ -275,13 +301,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = tid / 128;
     if (tid == 0) {
-        sm90::mbarrier_init(bar.q_full(), 128);
+        const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier
+        sm90::mbarrier_init(bar.q_full(), loaders);
         for (int s = 0; s < STAGES; ++s) {
-            sm90::mbarrier_init(bar.k_full(s), 128);
-            sm90::mbarrier_init(bar.v_full(s), 128);
+            sm90::mbarrier_init(bar.k_full(s), loaders);
+            sm90::mbarrier_init(bar.v_full(s), loaders);
             sm90::mbarrier_init(bar.k_empty(s), 256);
             sm90::mbarrier_init(bar.v_empty(s), 256);
         }
+        sm90::fence_barrier_init();
     }
     __syncthreads();
 
@@ -297,10 +325,30 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         // ---- producer: Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
         const BatchOffsets off = batch_offsets(p, bidx);
-        const T* gQ = static_cast<const T*>(p.q) + off.q;
-        const T* gK = static_cast<const T*>(p.k) + off.k;
-        const T* gV = static_cast<const T*>(p.v) + off.v;
-        if (n_tiles > 0) {
+        if (TMA) {
+            // One thread issues every copy: a box per 64 columns, each completing on the
+            // tile's barrier with its byte count. The others have nothing left to do.
+            if (tid == 0 && n_tiles > 0) {
+                const int zq = (int)(off.q / maps.q_slice), zk = (int)(off.k / maps.k_slice);
+                const int zv = (int)(off.v / maps.v_slice);
+                sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
+                sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
+                for (int t = 0; t < n_tiles; ++t) {
+                    const int s = t % STAGES;
+                    const u32 reuse_parity = ((t / STAGES) & 1) ^ 1;  // the previous round's release
+                    const int k0 = tiles.tile(t) * BC;
+                    if (t >= STAGES) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
+                    sm90::mbarrier_expect_tx(bar.k_full(s), (u32)L::k_bytes);
+                    sm90::tma_load_tile<BC, HD>(sK + s * L::k_bytes, &maps.k, k0, zk, bar.k_full(s));
+                    if (t >= STAGES) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
+                    sm90::mbarrier_expect_tx(bar.v_full(s), (u32)L::v_bytes);
+                    sm90::tma_load_tile<BC, HD>(sV + s * L::v_bytes, &maps.v, k0, zv, bar.v_full(s));
+                }
+            }
+        } else if (n_tiles > 0) {
+            const T* gQ = static_cast<const T*>(p.q) + off.q;
+            const T* gK = static_cast<const T*>(p.k) + off.k;
+            const T* gV = static_cast<const T*>(p.v) + off.v;
             // Every copy completes on an mbarrier by itself (arrive.noinc), so the producer
             // never waits for its own loads, only for buffers to free up: it runs up to
             // STAGES tiles ahead of the consumers.
@@ -321,7 +369,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         }
     } else {
         sm90::claim_registers<kConsumerRegisters>();
-        consume<T, HD, BC, STAGES, OVERLAP, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
+        consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
     }
 }
 

@@ -188,6 +188,60 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Makes initialised barriers visible to the async proxy (the copy engine completes on them).
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Arms the barrier for `bytes` of bulk copies and arrives once (the producer thread that
+// issues them); the phase completes when the arrival count and the bytes are both in.
+__device__ __forceinline__ void mbarrier_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- bulk tensor copies (TMA) ------------------------------------------------------------
+// A CUtensorMap as the driver encodes it (cuflash/_tma.py): 128 opaque bytes.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+// The maps of q, k and v for one forward launch, as (head dim, rows, slices) tensors, and the
+// slice stride of each in elements: a (batch..., head) slice at element offset `off` is slice
+// off / stride. Passed by value as a __grid_constant__ parameter.
+struct alignas(64) Sm90Maps {
+    TensorMap q, k, v;
+    i64 q_slice, k_slice, v_slice;
+};
+
+// Copies the box at (x, y, z) of a 3-D tensor map into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
+
+// Rows [row0, row0 + ROWS) of slice z, all COLS columns, as the swizzled tile the kernels use:
+// one 64-column box per column block (the map's 128-byte swizzle writes the same layout
+// swizzled_offset describes).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void tma_load_tile(u32 smem, const TensorMap* map, int row0, int z, u32 bar) {
+#pragma unroll
+    for (int b = 0; b < COLS / kSwizzleCols; ++b)
+        tma_load_3d(smem + b * ROWS * kSwizzleRowBytes, map, b * kSwizzleCols, row0, z, bar);
+}
+
+// ---- named barriers ----------------------------------------------------------------------
+// Barrier 0 is __syncthreads; the kernels number theirs from 1.
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
+}
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_barrier_arrive() {
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
+}
+
 // Shared memory written through the generic proxy (cp.async, st.shared) that wgmma reads next
 // must be fenced against the async proxy. The kernels fence in the reading threads, after the
 // mbarrier wait that made the writes visible to them.

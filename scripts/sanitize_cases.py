@@ -22,6 +22,7 @@ ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import sys
 import time
@@ -122,6 +123,17 @@ def run_case(case, rng, subset):
     return all(bool(cupy.isfinite(x).all()) for x in results)
 
 
+def _form(form, d):
+    """The context a case runs in: as dispatched, with the wgmma forward off, or with its
+    cp.async loads instead of TMA."""
+    if form == "wgmma off":
+        return _config.wgmma_forward(False)
+    if form == "cp.async":
+        tiles = _config._SM90_FORWARD_TILES[d]
+        return _config.sm90_tiles_override({d: tiles[:4] + (False,)})
+    return contextlib.nullcontext()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subset", choices=("all", "one"), default="all")
@@ -144,18 +156,20 @@ def main(argv=None) -> int:
     failures = 0
     arch = cupy.cuda.Device().compute_capability
     case_list = cases(args.subset)
-    runs = [(case, True) for case in case_list]
+    runs = [(case, "") for case in case_list]
     if _config.has_wgmma(arch):
-        # The mma.sync forwards that the wgmma one replaces stay reachable (CUFLASH_WGMMA=0):
-        # run their cases once more with it off.
-        runs += [(case, False) for case in case_list
-                 if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
-    for case, wgmma in runs:
+        # The forms the default wgmma forward replaces stay reachable: the mma.sync forward
+        # (CUFLASH_WGMMA=0) and the cp.async wgmma forward (inputs TMA cannot map). Run the
+        # cases that pick the wgmma forward once more in each.
+        hopper = [case for case in case_list
+                  if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
+        runs += [(case, form) for form in ("wgmma off", "cp.async") for case in hopper]
+    for case, form in runs:
         start = time.perf_counter()
-        with _config.wgmma_forward(wgmma):
+        with _form(form, case.d):
             finite = run_case(case, rng, args.subset)
         failures += not finite
-        label = "" if wgmma else " (wgmma off)"
+        label = f" ({form})" if form else ""
         print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
     known = {v.key for v in _config.variants_for(arch)}
     missing = sorted(known - launched)

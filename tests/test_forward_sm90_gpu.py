@@ -64,6 +64,22 @@ def test_lengths(dtype, d, causal, rng):
         check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
 
 
+# (block_cols, stages, overlap, pingpong, tma): every scheduling form the kernel has.
+MODES = ((128, 3, False, True, True), (128, 3, False, False, False), (128, 3, True, True, True),
+         (128, 2, True, False, False), (64, 3, False, True, True), (128, 3, False, True, False))
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "bc{}_s{}_o{:d}_p{:d}_t{:d}".format(*m))
+@pytest.mark.parametrize("d", (64, 128))
+def test_every_schedule(d, mode, rng):
+    dtype = "bfloat16"
+    q = random_array(rng, (2, 3, 1000, d), dtype)
+    k, v = (random_array(rng, (2, 3, 777, d), dtype) for _ in range(2))
+    with _config.sm90_tiles_override({d: mode}):
+        for causal in (False, True):
+            check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
+
+
 @pytest.mark.parametrize("d", (64, 128))
 def test_same_answer_as_mma_sync_kernel(d, rng):
     """Both kernels within the error rule on one input, and close to each other."""

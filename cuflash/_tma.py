@@ -1,0 +1,100 @@
+"""Tensor maps for the Hopper forward's bulk tensor copies (TMA), encoded through the driver.
+
+``cuTensorMapEncodeTiled`` is called through ctypes on ``libcuda`` (no extra dependency): a
+CUDA driver is present wherever a kernel can run. Each of q, k, v is described as a 3-D tensor
+(head dim, rows, slices): a (batch..., head) slice of it starts at a multiple of the slice
+stride, the greatest common divisor of its leading strides, and the kernel computes which
+multiple from the same offsets the cp.async path uses. Rows past a slice's end are zero-filled
+by the copy engine, so ragged tiles never read the next slice.
+
+A tensor the copy engine cannot describe (a stride that is not a multiple of 16 bytes, a
+driver that refuses the encoding) gets ``None``; the caller then runs the cp.async variant.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import struct
+from typing import Optional
+
+import numpy as np
+
+_UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: bf16 and fp16 are copied as 16-bit words
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_128B = 2
+_OOB_FILL_ZERO = 0
+MAP_BYTES = 128
+BOX_COLS = 64  # one 128-byte swizzle row of 16-bit elements
+
+
+@functools.lru_cache(maxsize=1)
+def _encoder():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def slice_stride(lead_shape, strides, kv_group: int = 1) -> tuple:
+    """(stride, count) in elements: the gcd of the nonzero leading strides, and how many
+    multiples of it the offsets span (the tensor map's slice dim). ``kv_group`` divides the
+    last dim's extent (grouped heads read head h // kv_group)."""
+    extents = list(lead_shape)
+    if extents:
+        extents[-1] = max(1, extents[-1] // kv_group)
+    nonzero = [s for n, s in zip(extents, strides) if s and n > 1]
+    if not nonzero:
+        return 1, 1
+    stride = functools.reduce(math.gcd, nonzero)
+    span = sum((n - 1) * s for n, s in zip(extents, strides))
+    return stride, span // stride + 1
+
+
+def encode(ptr: int, cols: int, rows: int, row_stride: int, stride: int, count: int,
+           box_rows: int) -> Optional[bytes]:
+    """The 128 bytes of a tensor map over (cols, rows, count slices) of 16-bit elements with
+    element strides row_stride and stride, read in boxes of (64, box_rows, 1); None when the
+    copy engine cannot take it."""
+    if ptr % 16 or (2 * row_stride) % 16 or (2 * stride) % 16 or cols % BOX_COLS:
+        return None
+    out = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 3)(cols, rows, count)
+    strides = (ctypes.c_uint64 * 2)(2 * row_stride, 2 * stride)
+    box = (ctypes.c_uint32 * 3)(BOX_COLS, box_rows, 1)
+    ones = (ctypes.c_uint32 * 3)(1, 1, 1)
+    try:
+        status = _encoder()(ctypes.byref(out), _UINT16, 3, ctypes.c_void_p(ptr), dims, strides, box, ones,
+                            _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZERO)
+    except OSError:  # no driver library
+        return None
+    return bytes(out) if status == 0 else None
+
+
+# struct Sm90Maps in kernels/sm90.cuh: three maps, then the three slice strides (elements).
+_SLICE_FORMAT = "<qqq"
+PARAM_BYTES = 448  # 3 * 128 + 24, rounded up to the struct's 64-byte alignment
+
+
+def forward_maps(q, k, v, nq: int, nk: int, d: int, layout, row_strides, block_rows: int,
+                 block_cols: int) -> Optional[np.void]:
+    """struct Sm90Maps for one forward launch, or None when any of q, k, v cannot be mapped."""
+    raws, slices = [], []
+    for x, n, strides, group, box in ((q, nq, layout.q_strides, 1, block_rows),
+                                      (k, nk, layout.k_strides, layout.kv_group, block_cols),
+                                      (v, nk, layout.v_strides, layout.kv_group, block_cols)):
+        stride, count = slice_stride(layout.lead_shape, strides, group)
+        raw = encode(x.data.ptr, d, n, row_strides[len(raws)], stride, count, box)
+        if raw is None:
+            return None
+        raws.append(raw)
+        slices.append(stride)
+    payload = b"".join(raws) + struct.pack(_SLICE_FORMAT, *slices)
+    return np.void(payload + bytes(PARAM_BYTES - len(payload)))
+
+
+def empty_maps() -> np.void:
+    """Sm90Maps for the cp.async variant, which never reads it."""
+    return np.void(bytes(PARAM_BYTES))
