@@ -1,9 +1,9 @@
 """Tuning probe for the wgmma forward: forward TFLOP/s of (block_cols, stages, overlap,
-pingpong, tma) settings
+pingpong, tma, persistent) settings
 of kernels/flash_fwd_sm90.cu next to the mma.sync kernel and SDPA's flash and cuDNN backends,
 in one process on one GPU (bf16, 16k tokens, hidden 2048, as cuflash-bench).
 
-    python bench/sm90_probe.py [--seqlens 4096 16384] [--configs 128,3,0,1,1 128,3,0,0,0 ...]
+    python bench/sm90_probe.py [--seqlens 4096 16384] [--configs 128,3,0,1,1,1 128,3,0,0,0,0 ...]
 """
 
 import argparse
@@ -34,7 +34,8 @@ def main():
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--configs", nargs="+",
-                        default=["128,3,0,0,0", "128,3,0,1,0", "128,3,0,0,1", "128,3,0,1,1", "128,3,1,1,1"])
+                        default=["128,3,0,0,0,0", "128,3,0,1,0,0", "128,3,0,0,1,0", "128,3,0,1,1,0",
+                                 "128,3,0,1,1,1", "128,3,1,1,1,1"])
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,8 +48,8 @@ def main():
                 q, k, v = (torch.randn(batch, heads, seq, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * seq * seq * hd * heads * batch / (2 if causal else 1)
                 row = []
-                for bc, stages, overlap, pingpong, tma in configs:
-                    with _config.sm90_tiles_override({hd: (bc, stages, bool(overlap), bool(pingpong), bool(tma))}):
+                for bc, stages, *flags in configs:
+                    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags))}):
                         row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))
                 with _config.wgmma_forward(False):
                     row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))

@@ -336,16 +336,23 @@ def _sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, 
     )
 
 
-def _launch(variant, grid_x, num_batch, args, d, dv):
-    """Launch a variant over grid_x tiles for every (batch..., head) slice, on the current stream."""
+def _sm_count(device) -> int:
+    return device.attributes["MultiProcessorCount"]
+
+
+def _launch(variant, grid_x, num_batch, args, d, dv, grid=None):
+    """Launch a variant over grid_x tiles for every (batch..., head) slice, on the current
+    stream; ``grid``: a persistent kernel's own grid instead."""
     kernel = _loader.get_kernel(variant)
     smem = variant.smem_bytes(d, dv)
     if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
-    grid_y = min(num_batch, 65535)  # y is limited to 65535: the rest goes to z
-    if -(-num_batch // grid_y) > 65535:
-        raise ValueError(f"{num_batch} (batch..., head) slices exceed the {65535 ** 2} a launch grid can hold")
-    kernel((grid_x, grid_y, -(-num_batch // grid_y)), (variant.threads,), args, shared_mem=smem)
+    if grid is None:
+        grid_y = min(num_batch, 65535)  # y is limited to 65535: the rest goes to z
+        if -(-num_batch // grid_y) > 65535:
+            raise ValueError(f"{num_batch} (batch..., head) slices exceed the {65535 ** 2} a launch grid can hold")
+        grid = (grid_x, grid_y, -(-num_batch // grid_y))
+    kernel(grid, (variant.threads,), args, shared_mem=smem)
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
@@ -436,7 +443,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         mask_strides = layout.extra_strides[-1] if mask is not None else ()
         sparsity = _sparsity_fields(mask, mask_strides, nq, nk, variant, transpose=False, causal=causal, window=window)
         params = _pack_forward_params(q, k, v, o, l, m, nq, nk, d, dv, layout, row_strides, scale, sparsity)
-        args = (params,)
+        args, grid = (params,), None
+        n_q_tiles = -(-nq // variant.block_rows)
         if isinstance(variant, _config.HopperForward):
             maps = _tma.forward_maps(q, k, v, nq, nk, d, layout, row_strides, variant.block_rows,
                                      variant.block_cols) if variant.tma else None
@@ -444,7 +452,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
                 variant = dataclasses.replace(variant, tma=False)
                 maps = _tma.empty_maps()
             args = (params, maps)
-        _launch(variant, -(-nq // variant.block_rows), num_batch, args, d, dv)
+            if variant.persistent and n_q_tiles * num_batch >= 2**31:  # its item count is 32-bit
+                variant = dataclasses.replace(variant, persistent=False)
+            if variant.persistent:
+                grid = (min(n_q_tiles * num_batch, _sm_count(q.device)), 1, 1)
+        _launch(variant, n_q_tiles, num_batch, args, d, dv, grid=grid)
     return AttentionOutput(o, l, m)
 
 

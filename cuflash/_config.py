@@ -137,16 +137,16 @@ class HopperForward(_Launch):
     overlap: bool  # S of the next tile issued before P V of this one
     pingpong: bool  # the two consumer warpgroups take turns issuing matmuls
     tma: bool  # bulk tensor copies (needs tensor maps: cuflash/_tma.py), else cp.async
+    persistent: bool  # one CTA per SM walks (query tile, slice) items; the next item's loads
+    # overlap this one's epilogue
     causal: bool
     sparse: bool = False
 
     source = "flash_fwd_sm90.cu"
     block_rows = 128
     warps = 12
-    # The producer warpgroup runs its copy loop in 24 registers a thread and spills 120 bytes
-    # there (stack 48); the consumers do not spill. 40 producer / 232 consumer registers
-    # compile with no spill at all, but that split has not run on a GPU yet (the tested
-    # kernel is the 24 / 240 one), so the allowance stays until it has.
+    # The producer warpgroup runs with 40 registers a thread (main's tested kernel: 24, which
+    # spilled 120 bytes there); kept until this split has run on a GPU.
     spill_allowance = 128
 
     @property
@@ -155,7 +155,7 @@ class HopperForward(_Launch):
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         tiles = 2 * self.head_dim * (self.block_rows + 2 * self.stages * self.block_cols)
-        barriers = 8 * (1 + 4 * self.stages)
+        barriers = 8 * (2 + 4 * self.stages)
         return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
 
     @property
@@ -163,30 +163,30 @@ class HopperForward(_Launch):
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
             f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
+            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
     def key(self) -> str:
         return (
             f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
-            f"_p{int(self.pingpong)}_t{int(self.tma)}"
+            f"_p{int(self.pingpong)}_t{int(self.tma)}_r{int(self.persistent)}"
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
 
 
-# (block_cols, stages, overlap, pingpong, tma) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
+# (block_cols, stages, overlap, pingpong, tma, persistent) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
 # fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
 # a thread they take from the producer. Overlap (S of t + 1 issued before P V of t) measured
 # slower on the H200 than letting the two consumer warpgroups interleave (bench/NOTES.md).
-_SM90_FORWARD_TILES = {64: (128, 3, False, True, True), 128: (128, 3, False, True, True)}
+_SM90_FORWARD_TILES = {64: (128, 3, False, True, True, True), 128: (128, 3, False, True, True, True)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
 def sm90_tiles_override(tiles_by_head_dim):
     """Temporarily replace _SM90_FORWARD_TILES entries
-    {head_dim: (block_cols, stages, overlap, pingpong, tma)}."""
+    {head_dim: (block_cols, stages, overlap, pingpong, tma, persistent)}."""
     return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)
 
 
@@ -247,8 +247,12 @@ def all_forward_variants(wgmma: bool = False):
                     for hd in sorted(_SM90_FORWARD_TILES):
                         variant = forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True)
                         variants.append(variant)
-                        if variant.tma:  # inputs the copy engine cannot map run the cp.async form
-                            variants.append(dataclasses.replace(variant, tma=False))
+                        # The forms the dispatcher falls back to: cp.async for inputs the copy
+                        # engine cannot map, one item a CTA past 2^31 items.
+                        fallbacks = {dataclasses.replace(variant, tma=False),
+                                     dataclasses.replace(variant, persistent=False),
+                                     dataclasses.replace(variant, tma=False, persistent=False)}
+                        variants += sorted(fallbacks - {variant}, key=lambda v: v.key)
     for sparse in (False, True):
         for causal in (False, True):
             for dtype in ("float16", "bfloat16"):

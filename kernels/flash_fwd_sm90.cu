@@ -5,7 +5,7 @@
 //   producer     warpgroup 0 copies Q once and then each key tile's K and V into shared
 //                memory (a ring of STAGES buffers), signalling "full" mbarriers: with TMA,
 //                one thread issues bulk tensor copies (maps from cuflash/_tma.py); without,
-//                all 128 issue 16-byte cp.async. It gives all but 24 of its registers to the
+//                all 128 issue 16-byte cp.async. It gives all but 40 of its registers to the
 //                consumers (setmaxnreg), so its copy loops stay rolled.
 //   consumers    warpgroups 1 and 2 own 64 query rows each. Per key tile:
 //                  S = Q K^T     wgmma, both operands from shared memory
@@ -28,7 +28,7 @@ constexpr int kSm90Rows = 128;        // query rows per CTA: two consumer warpgr
 constexpr int kSm90Threads = 3 * 128;  // producer + two consumers
 // setmaxnreg moves registers within what the CTA was launched with: 168 a thread (the cap of
 // 384 threads on one CTA per SM). Asking for more than that in total never returns.
-constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 168 * kSm90Threads, "register budget");
 
 template <int HD, int BC, int STAGES>
@@ -40,27 +40,69 @@ struct Sm90SmemLayout {
     static constexpr int k_offset = q_bytes;
     static constexpr int v_offset = k_offset + STAGES * k_bytes;
     static constexpr int barrier_offset = v_offset + STAGES * v_bytes;
-    static constexpr int barriers = 1 + 4 * STAGES;  // Q full; K full/empty, V full/empty per stage
+    static constexpr int barriers = 2 + 4 * STAGES;  // Q full/empty; K full/empty, V full/empty per stage
     // The swizzled tiles need 1024-byte alignment, which the dynamic shared memory base does
     // not promise: the kernel rounds its base up, hence the slack.
     static constexpr int bytes = barrier_offset + 8 * barriers + 1024;
 };
 
-// The mbarriers, 8 bytes each: Q loaded; per stage, K and V loaded ("full", 128 producer
-// arrivals) and K and V read ("empty", 256 consumer arrivals).
+// The mbarriers, 8 bytes each: Q loaded and read; per stage, K and V loaded ("full": 128
+// cp.async arrivals, or one with the bytes of a bulk copy) and K and V read ("empty", 256
+// consumer arrivals).
 template <int STAGES>
 struct Sm90Barriers {
     u32 base;
     __device__ __forceinline__ u32 q_full() const { return base; }
-    __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (1 + s); }
-    __device__ __forceinline__ u32 k_empty(int s) const { return base + 8 * (1 + STAGES + s); }
-    __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
-    __device__ __forceinline__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+    __device__ __forceinline__ u32 q_empty() const { return base + 8; }
+    __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (2 + s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return base + 8 * (2 + STAGES + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (2 + 2 * STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return base + 8 * (2 + 3 * STAGES + s); }
 };
+
+// The ring position of a work item's first key tile and how many Q loads came before it:
+// with PERSISTENT a CTA runs many (query tile, slice) items through one ring, so stages and
+// mbarrier phases count on across them.
+struct Sm90Ring {
+    u32 first_tile, q_round;
+    __device__ __forceinline__ int stage(int t, int stages) const { return (int)((first_tile + t) % stages); }
+    __device__ __forceinline__ u32 phase(int t, int stages) const { return ((first_tile + t) / stages) & 1; }
+};
+
+// One (query tile, slice) work item.
+struct Sm90Work {
+    i64 bidx;
+    int q_tile;
+};
+
+// The work items of this CTA, in order: item i of `next`. Without PERSISTENT, the one its
+// grid position names (causal: last query tiles first, they see the most keys). With, items
+// blockIdx.x, blockIdx.x + gridDim.x, ... of all n_q_tiles * num_batch: slices outermost so
+// that neighbouring CTAs share K and V in L2, or (causal) longest query tiles first.
+template <bool CAUSAL, bool PERSISTENT>
+__device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32 i, Sm90Work& w) {
+    if (!PERSISTENT) {
+        w.bidx = flat_batch_index();
+        w.q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+        return i == 0 && w.bidx < p.num_batch;
+    }
+    // The host runs this form only while n_q_tiles * num_batch < 2^31: 32-bit divisions.
+    const u32 item = blockIdx.x + i * gridDim.x, batches = (u32)p.num_batch;
+    if (item >= (u32)n_q_tiles * batches) return false;
+    if (CAUSAL) {
+        w.q_tile = n_q_tiles - 1 - (int)(item / batches);
+        w.bidx = item % batches;
+    } else {
+        w.q_tile = (int)(item % (u32)n_q_tiles);
+        w.bidx = item / (u32)n_q_tiles;
+    }
+    return true;
+}
 
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
 // masked and turned into P.
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
+          bool SPARSE>
 struct Sm90Consumer {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     const FwdParams& p;
@@ -68,6 +110,7 @@ struct Sm90Consumer {
     const Band& band;
     u32 sQ, sK, sV;
     Sm90Barriers<STAGES> bar;
+    Sm90Ring ring;
     int warpgroup;  // 1 or 2
     int row0;       // the warpgroup's first row in the CTA's tile
     int lane, my_col;
@@ -93,8 +136,8 @@ struct Sm90Consumer {
 
     // Issues S = Q K^T of tile t (once its K has landed) and commits it as one wgmma group.
     __device__ __forceinline__ void issue_s(float (&acc_s)[BC / 8][4], int t) const {
-        const int s = t % STAGES;
-        sm90::mbarrier_wait(bar.k_full(s), (t / STAGES) & 1);
+        const int s = ring.stage(t, STAGES);
+        sm90::mbarrier_wait(bar.k_full(s), ring.phase(t, STAGES));
         if (!TMA) sm90::fence_async_shared();  // the tile came through cp.async, the generic proxy
         sm90::wgmma_fence();
 #pragma unroll
@@ -105,8 +148,8 @@ struct Sm90Consumer {
     }
     // Issues O += P V of tile t and commits it.
     __device__ __forceinline__ void issue_pv(float (&acc_o)[HD / 8][4], const u32 (&p_frag)[BC / 16][4], int t) const {
-        const int s = t % STAGES;
-        sm90::mbarrier_wait(bar.v_full(s), (t / STAGES) & 1);
+        const int s = ring.stage(t, STAGES);
+        sm90::mbarrier_wait(bar.v_full(s), ring.phase(t, STAGES));
         if (!TMA) sm90::fence_async_shared();
         sm90::wgmma_fence();
 #pragma unroll
@@ -188,12 +231,14 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // this warpgroup exponentiates tile t + 1; only the rescale of O waits for P V to finish.
 // Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
 // gaps).
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
+          bool SPARSE>
 __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
-                                        i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar) {
+                                        i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar,
+                                        Sm90Ring ring) {
     const int n_tiles = tiles.count;
     const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
-    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar};
+    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar, ring};
     c.warpgroup = warpgroup;
     c.row0 = 64 * (warpgroup - 1);
     c.lane = ct % 32;
@@ -211,7 +256,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     softmax.init();
 
     if (n_tiles > 0) {
-        sm90::mbarrier_wait(bar.q_full(), 0);
+        sm90::mbarrier_wait(bar.q_full(), ring.q_round & 1);
         if (!TMA) sm90::fence_async_shared();
         if (PINGPONG && warpgroup == 2) sm90::named_barrier_arrive<1, 256>();
         float acc_s[BC / 8][4];
@@ -222,7 +267,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
         c.end_turn(false);
         sm90::wgmma_wait<0>();
         sm90::fence_operand(acc_s);
-        sm90::mbarrier_arrive(bar.k_empty(0));
+        sm90::mbarrier_arrive(bar.k_empty(ring.stage(0, STAGES)));
         c.softmax_tile(acc_s, 0, softmax, correction);  // O is 0: nothing to rescale
         pack_p<T, BC>(acc_s, p_frag);
         // Per tile t, one turn issues both matmuls back to back: P V of t and S of t + 1
@@ -238,22 +283,23 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
             if (OVERLAP && more) {
                 sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
                 sm90::fence_operand(acc_s);
-                sm90::mbarrier_arrive(bar.k_empty((t + 1) % STAGES));
+                sm90::mbarrier_arrive(bar.k_empty(ring.stage(t + 1, STAGES)));
                 c.softmax_tile(acc_s, t + 1, softmax, correction);
             }
             sm90::wgmma_wait<0>();
             sm90::fence_operand(acc_o);
-            sm90::mbarrier_arrive(bar.v_empty(t % STAGES));
+            sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
             if (more) {  // P V of t has read p_frag and written O: both are free now
                 if (!OVERLAP) {
                     sm90::fence_operand(acc_s);
-                    sm90::mbarrier_arrive(bar.k_empty((t + 1) % STAGES));
+                    sm90::mbarrier_arrive(bar.k_empty(ring.stage(t + 1, STAGES)));
                     c.softmax_tile(acc_s, t + 1, softmax, correction);
                 }
                 rescale_rows(acc_o, correction);
                 pack_p<T, BC>(acc_s, p_frag);
             }
         }
+        sm90::mbarrier_arrive(bar.q_empty());  // every S of this item is done: Q may be replaced
     }
 
     // -- epilogue: O /= l, l and m in flash_fwd.cu's format --
@@ -285,7 +331,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     }
 }
 
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
+          bool SPARSE>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -297,12 +344,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const u32 sQ = base + L::q_offset, sK = base + L::k_offset, sV = base + L::v_offset;
     const Sm90Barriers<STAGES> bar{base + L::barrier_offset};
 
-    const i64 bidx = flat_batch_index();
-    if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = tid / 128;
+    if (!PERSISTENT && flat_batch_index() >= p.num_batch) return;
     if (tid == 0) {
         const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier
         sm90::mbarrier_init(bar.q_full(), loaders);
+        sm90::mbarrier_init(bar.q_empty(), 256);
         for (int s = 0; s < STAGES; ++s) {
             sm90::mbarrier_init(bar.k_full(s), loaders);
             sm90::mbarrier_init(bar.v_full(s), loaders);
@@ -313,63 +360,83 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     }
     __syncthreads();
 
-    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const i64 q0 = (i64)q_tile * kSm90Rows;
     const i64 nq = p.nq, nk = p.nk;
-    const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
+    const int n_q_tiles = (int)((nq + kSm90Rows - 1) / kSm90Rows);
     const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
-    const int n_tiles = tiles.count;
-
+    Sm90Ring ring{0, 0};  // both sides walk the same items and count the same tiles
+    Sm90Work w;
     if (warpgroup == 0) {
-        // ---- producer: Q once, then K and V of every tile into the ring ----
+        // ---- producer: per item, Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
-        const BatchOffsets off = batch_offsets(p, bidx);
-        if (TMA) {
-            // One thread issues every copy: a box per 64 columns, each completing on the
-            // tile's barrier with its byte count. The others have nothing left to do.
-            if (tid == 0 && n_tiles > 0) {
-                const int zq = (int)(off.q / maps.q_slice), zk = (int)(off.k / maps.k_slice);
-                const int zv = (int)(off.v / maps.v_slice);
-                sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
-                sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
+            const i64 q0 = (i64)w.q_tile * kSm90Rows;
+            const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
+            const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
+            const int n_tiles = tiles.count;
+            if (n_tiles == 0) continue;  // the consumers write this item without any load
+            const BatchOffsets off = batch_offsets(p, w.bidx);
+            // Q's buffer is free once both consumers have finished the previous item's tiles.
+            if (ring.q_round > 0) sm90::mbarrier_wait(bar.q_empty(), (ring.q_round - 1) & 1);
+            if (TMA) {
+                // One thread issues every copy: a box per 64 columns, each completing on the
+                // tile's barrier with its byte count.
+                if (tid == 0) {
+                    const int zq = (int)(off.q / maps.q_slice), zk = (int)(off.k / maps.k_slice);
+                    const int zv = (int)(off.v / maps.v_slice);
+                    sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
+                    sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
+                    for (int t = 0; t < n_tiles; ++t) {
+                        const int s = ring.stage(t, STAGES);
+                        const u32 reuse_parity = ring.phase(t, STAGES) ^ 1;  // the previous lap's release
+                        const bool reused = ring.first_tile + t >= STAGES;
+                        const int k0 = tiles.tile(t) * BC;
+                        if (reused) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
+                        sm90::mbarrier_expect_tx(bar.k_full(s), (u32)L::k_bytes);
+                        sm90::tma_load_tile<BC, HD>(sK + s * L::k_bytes, &maps.k, k0, zk, bar.k_full(s));
+                        if (reused) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
+                        sm90::mbarrier_expect_tx(bar.v_full(s), (u32)L::v_bytes);
+                        sm90::tma_load_tile<BC, HD>(sV + s * L::v_bytes, &maps.v, k0, zv, bar.v_full(s));
+                    }
+                }
+            } else {
+                const T* gQ = static_cast<const T*>(p.q) + off.q;
+                const T* gK = static_cast<const T*>(p.k) + off.k;
+                const T* gV = static_cast<const T*>(p.v) + off.v;
+                // Every copy completes on an mbarrier by itself (arrive.noinc), so the producer
+                // never waits for its own loads, only for buffers to free up: it runs up to
+                // STAGES tiles ahead of the consumers.
+                sm90::load_tile_swizzled<kSm90Rows, HD, 128>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
+                sm90::cp_async_arrive(bar.q_full());
                 for (int t = 0; t < n_tiles; ++t) {
-                    const int s = t % STAGES;
-                    const u32 reuse_parity = ((t / STAGES) & 1) ^ 1;  // the previous round's release
-                    const int k0 = tiles.tile(t) * BC;
-                    if (t >= STAGES) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
-                    sm90::mbarrier_expect_tx(bar.k_full(s), (u32)L::k_bytes);
-                    sm90::tma_load_tile<BC, HD>(sK + s * L::k_bytes, &maps.k, k0, zk, bar.k_full(s));
-                    if (t >= STAGES) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
-                    sm90::mbarrier_expect_tx(bar.v_full(s), (u32)L::v_bytes);
-                    sm90::tma_load_tile<BC, HD>(sV + s * L::v_bytes, &maps.v, k0, zv, bar.v_full(s));
+                    const int s = ring.stage(t, STAGES);
+                    const u32 reuse_parity = ring.phase(t, STAGES) ^ 1;
+                    const bool reused = ring.first_tile + t >= STAGES;
+                    const i64 k0 = (i64)tiles.tile(t) * BC;
+                    if (reused) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
+                    sm90::load_tile_swizzled<BC, HD, 128>(sK + s * L::k_bytes, gK, p.k_row_stride, k0, nk, p.d, tid);
+                    sm90::cp_async_arrive(bar.k_full(s));
+                    if (reused) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
+                    sm90::load_tile_swizzled<BC, HD, 128>(sV + s * L::v_bytes, gV, p.v_row_stride, k0, nk, p.dv, tid);
+                    sm90::cp_async_arrive(bar.v_full(s));
                 }
             }
-        } else if (n_tiles > 0) {
-            const T* gQ = static_cast<const T*>(p.q) + off.q;
-            const T* gK = static_cast<const T*>(p.k) + off.k;
-            const T* gV = static_cast<const T*>(p.v) + off.v;
-            // Every copy completes on an mbarrier by itself (arrive.noinc), so the producer
-            // never waits for its own loads, only for buffers to free up: it runs up to
-            // STAGES tiles ahead of the consumers.
-            sm90::load_tile_swizzled<kSm90Rows, HD, 128>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
-            sm90::cp_async_arrive(bar.q_full());
-            for (int t = 0; t < n_tiles; ++t) {
-                const int s = t % STAGES;
-                const u32 reuse_parity = ((t / STAGES) & 1) ^ 1;  // the previous round's release
-                const i64 k0 = (i64)tiles.tile(t) * BC;
-                if (t >= STAGES) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
-                sm90::load_tile_swizzled<BC, HD, 128>(sK + s * L::k_bytes, gK, p.k_row_stride, k0, nk, p.d, tid);
-                sm90::cp_async_arrive(bar.k_full(s));
-                if (t >= STAGES) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
-                sm90::load_tile_swizzled<BC, HD, 128>(sV + s * L::v_bytes, gV, p.v_row_stride, k0, nk, p.dv, tid);
-                sm90::cp_async_arrive(bar.v_full(s));
-            }
-            cp_async_wait<0>();  // nothing may be in flight when the thread exits
+            ring.first_tile += n_tiles;
+            ++ring.q_round;
         }
+        if (!TMA) cp_async_wait<0>();  // nothing may be in flight when the thread exits
     } else {
         sm90::claim_registers<kConsumerRegisters>();
-        consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, CAUSAL, SPARSE>(p, tiles, band, bidx, q0, tid, sQ, sK, sV, bar);
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
+            const i64 q0 = (i64)w.q_tile * kSm90Rows;
+            const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
+            const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
+            consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE>(
+                p, tiles, band, w.bidx, q0, tid, sQ, sK, sV, bar, ring);
+            if (tiles.count > 0) {
+                ring.first_tile += tiles.count;
+                ++ring.q_round;
+            }
+        }
     }
 }
 

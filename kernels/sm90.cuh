@@ -28,7 +28,7 @@ __device__ __forceinline__ u32 swizzled_offset(int r, int u) {
 // NT is a multiple of the row's 16-byte units, so a thread copies one fixed unit u of every
 // STEP-th row; STEP is a multiple of 8, so the unit's swizzled position is the same in all
 // its rows and both addresses just advance. The loop stays rolled: the producer warpgroup
-// runs it with 24 registers a thread.
+// runs it with 40 registers a thread.
 template <int ROWS, int COLS, int NT, typename T>
 __device__ __forceinline__ void load_tile_swizzled(u32 smem, const T* gmem, i64 row_stride, i64 row0,
                                                    i64 nrows, i64 ncols, int tid) {

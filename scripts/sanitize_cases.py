@@ -124,13 +124,15 @@ def run_case(case, rng, subset):
 
 
 def _form(form, d):
-    """The context a case runs in: as dispatched, with the wgmma forward off, or with its
-    cp.async loads instead of TMA."""
+    """The context a case runs in: as dispatched, with the wgmma forward off, with its cp.async
+    loads instead of TMA, or with one work item a CTA instead of a persistent grid."""
     if form == "wgmma off":
         return _config.wgmma_forward(False)
+    tiles = _config._SM90_FORWARD_TILES.get(d)
     if form == "cp.async":
-        tiles = _config._SM90_FORWARD_TILES[d]
-        return _config.sm90_tiles_override({d: tiles[:4] + (False,)})
+        return _config.sm90_tiles_override({d: tiles[:4] + (False,) + tiles[5:]})
+    if form == "one item a CTA":
+        return _config.sm90_tiles_override({d: tiles[:5] + (False,)})
     return contextlib.nullcontext()
 
 
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
         # cases that pick the wgmma forward once more in each.
         hopper = [case for case in case_list
                   if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
-        runs += [(case, form) for form in ("wgmma off", "cp.async") for case in hopper]
+        runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA") for case in hopper]
     for case, form in runs:
         start = time.perf_counter()
         with _form(form, case.d):

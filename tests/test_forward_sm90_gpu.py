@@ -64,12 +64,13 @@ def test_lengths(dtype, d, causal, rng):
         check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
 
 
-# (block_cols, stages, overlap, pingpong, tma): every scheduling form the kernel has.
-MODES = ((128, 3, False, True, True), (128, 3, False, False, False), (128, 3, True, True, True),
-         (128, 2, True, False, False), (64, 3, False, True, True), (128, 3, False, True, False))
+# (block_cols, stages, overlap, pingpong, tma, persistent): every scheduling form the kernel has.
+MODES = ((128, 3, False, True, True, True), (128, 3, False, False, False, False), (128, 3, True, True, True, False),
+         (128, 2, True, False, False, True), (64, 3, False, True, True, True), (128, 3, False, True, False, True),
+         (128, 2, False, False, True, False))
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "bc{}_s{}_o{:d}_p{:d}_t{:d}".format(*m))
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "bc{}_s{}_o{:d}_p{:d}_t{:d}_r{:d}".format(*m))
 @pytest.mark.parametrize("d", (64, 128))
 def test_every_schedule(d, mode, rng):
     dtype = "bfloat16"
