@@ -554,8 +554,9 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         if dtype != "float32":
             for name, x in arrays.items():
                 _check_vector_alignment(x, name, strides[name])
+        arch = q.device.compute_capability
         plan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
-                                     hopper=_config.is_hopper(q.device.compute_capability))
+                                     hopper=_config.is_hopper(arch), wgmma=_config.has_wgmma(arch))
         nq_pad = -(-nq // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
         lse2 = cupy.empty((num_batch, nq_pad, 2), cupy.float32)  # (m, log2 l) per row
         delta = cupy.empty((num_batch, nq_pad), cupy.float32)

@@ -501,6 +501,66 @@ _TC_BACKWARD_DQ_TILES = {
 SPLIT_BACKWARD_ABOVE = 128  # head dims above this compute dV and dK in separate passes
 
 
+@dataclasses.dataclass(frozen=True)
+class HopperBackward(_Launch):
+    """DRAFT, opt-in (CUFLASH_WGMMA_BWD=1 or wgmma_backward(True)): the key-tile pass of the
+    backward on wgmma, sm_90a only (kernels/flash_bwd_sm90.cu). One CTA per 128 keys walks
+    query tiles of 64; a producer warpgroup and two consumer warpgroups of 64 keys."""
+
+    dtype: str
+    head_dim: int  # d = dv = head_dim exactly (64 or 128)
+    atomic_dq: bool
+    causal: bool
+    stages: int = 2
+    sparse: bool = False
+
+    source = "flash_bwd_sm90.cu"
+    block_rows = 64
+    block_cols = 128
+    warps = 12
+    # Not yet run; at head dim 128 its consumers spill up to ~400 bytes (dK, dV, S, dP and the
+    # fragments all live in 232 registers).
+    spill_allowance = 512
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.head_dim
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        hd, br, bc = self.head_dim, self.block_rows, self.block_cols
+        tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + bc * br)
+        return tiles + self.stages * 3 * br * 4 + 8 * (1 + 2 * self.stages) + 1024
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_bwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.stages}, "
+            f"{_flag(self.atomic_dq)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return (
+            f"bwd_sm90_{self.dtype}_hd{self.head_dim}_s{self.stages}{'_atomic_dq' if self.atomic_dq else ''}"
+            f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        )
+
+
+# The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=1 in the environment starts with it on.
+_wgmma_backward = [os.environ.get("CUFLASH_WGMMA_BWD", "0") == "1"]
+
+
+@contextlib.contextmanager
+def wgmma_backward(enabled: bool):
+    """Turn the (draft) wgmma backward on or off (off by default)."""
+    saved = _wgmma_backward[0]
+    _wgmma_backward[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _wgmma_backward[0] = saved
+
+
 class BackwardPlan(typing.NamedTuple):
     preprocess: BackwardPreprocess
     key_passes: tuple  # kernels launched over key tiles
@@ -509,11 +569,18 @@ class BackwardPlan(typing.NamedTuple):
 
 
 def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *,
-                  hopper: bool = True, sparse: bool = False) -> BackwardPlan:
+                  hopper: bool = True, sparse: bool = False, wgmma: bool = False,
+                  wgmma_backward_on: typing.Optional[bool] = None) -> BackwardPlan:
     """The kernels one backward launches; ``hopper``: the GPU has compute capability >= 9.0;
-    ``sparse``: they walk block-sparse tile lists."""
+    ``sparse``: they walk block-sparse tile lists; ``wgmma``: the GPU has wgmma, and the
+    wgmma key pass is switched on (``wgmma_backward_on``, default the module switch)."""
     causal, sparse = bool(causal), bool(sparse)
     pre = BackwardPreprocess(dtype)
+    on = _wgmma_backward[0] if wgmma_backward_on is None else wgmma_backward_on
+    if wgmma and on and dtype in _TYPE_TAG and d == dv and d in (64, 128):
+        dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *_TC_BACKWARD_DQ_TILES[d], causal, sparse)
+        return BackwardPlan(pre, (HopperBackward(dtype, d, not deterministic, causal, sparse=sparse),), dq,
+                            not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)
         keys_per_warp = 4 if dim_tiles <= 4 else 2
@@ -552,14 +619,26 @@ def backward_tiles_override(tiles_by_bucket):
     return _table_override(_TC_BACKWARD_TILES, tiles_by_bucket)
 
 
-def all_backward_variants(hopper: bool = True):
+def all_backward_variants(hopper: bool = True, wgmma: bool = False):
     variants = {}
+    if wgmma:
+        for causal in (False, True):
+            for dtype in _TYPE_TAG:
+                for dim in (64, 128):
+                    for deterministic in (False, True):
+                        for sparse in (False, True):
+                            plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper,
+                                                 sparse=sparse, wgmma=True, wgmma_backward_on=True)
+                            for kernel in (*plan.key_passes, plan.dq):
+                                if kernel is not None:
+                                    variants[kernel.key] = kernel
     for causal in (False, True):
         for dtype in SUPPORTED_DTYPES:
             for dim in (HEAD_DIM_BUCKETS if dtype != "float32" else range(32, MAX_HEAD_DIM + 1, 32)):
                 for deterministic in (False, True):
                     for sparse in (False, True):
-                        plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper, sparse=sparse)
+                        plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper, sparse=sparse,
+                                             wgmma_backward_on=False)
                         for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
                             if kernel is not None:
                                 variants[kernel.key] = kernel
@@ -569,7 +648,8 @@ def all_backward_variants(hopper: bool = True):
 def all_variants(hopper: bool = True, wgmma: typing.Optional[bool] = None):
     """Every kernel variant the dispatcher can launch on a GPU of that kind, forward and backward.
     ``wgmma`` defaults to ``hopper``."""
-    return all_forward_variants(hopper if wgmma is None else wgmma) + all_backward_variants(hopper)
+    wgmma = hopper if wgmma is None else wgmma
+    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma)
 
 
 def variants_for(arch: str):

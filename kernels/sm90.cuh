@@ -109,11 +109,11 @@ __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
 // shared memory, both K-major. RS: A from registers in the m16n8k16 A-fragment layout (which
 // is how P leaves the softmax), B from shared memory MN-major. `accumulate` = 0 overwrites D.
 // REGS names the accumulators; A0.. name the operands after them (%32.. for N = 64, %64..
-// for N = 128).
-#define CUFLASH_WGMMA_SS(N, TYPE, REGS, ACC, A0, A1, A2)                                     \
+// for N = 128); TRANS is the SS form's "trans-a, trans-b" (1 = MN-major).
+#define CUFLASH_WGMMA_SS_T(N, TYPE, REGS, ACC, A0, A1, A2, TRANS)                           \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " A2 ", 0;\n"                             \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS     \
-                 ", " A0 ", " A1 ", p, 1, 1, 0, 0;\n}\n"                                     \
+                 ", " A0 ", " A1 ", p, 1, 1, " TRANS ";\n}\n"                                \
                  : ACC : "l"(a_desc), "l"(b_desc), "r"(accumulate))
 #define CUFLASH_WGMMA_RS(N, TYPE, REGS, ACC, A0, A1, A2, A3, A4, A5)                         \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " A5 ", 0;\n"                             \
@@ -127,18 +127,27 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], unsigned long lon
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4], unsigned long long b_desc,
                                          int accumulate);
+// SS with both operands MN-major (A stored [k][m], B stored [k][n]); N = 64 only.
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[8][4], unsigned long long a_desc, unsigned long long b_desc,
+                                            int accumulate);
 
 #define CUFLASH_DEFINE_WGMMA(TYPE_TAG, TYPE)                                                   \
     template <>                                                                                 \
     __device__ __forceinline__ void wgmma_ss<TYPE_TAG, 64>(float (&d)[8][4], unsigned long long a_desc, \
                                                            unsigned long long b_desc, int accumulate) { \
-        CUFLASH_WGMMA_SS(64, TYPE, CUFLASH_REGS32, CUFLASH_ACC32(d, 0), "%32", "%33", "%34");  \
+        CUFLASH_WGMMA_SS_T(64, TYPE, CUFLASH_REGS32, CUFLASH_ACC32(d, 0), "%32", "%33", "%34", "0, 0"); \
     }                                                                                           \
     template <>                                                                                 \
     __device__ __forceinline__ void wgmma_ss<TYPE_TAG, 128>(float (&d)[16][4], unsigned long long a_desc, \
                                                             unsigned long long b_desc, int accumulate) { \
-        CUFLASH_WGMMA_SS(128, TYPE, CUFLASH_REGS64, CUFLASH_ACC32(d, 0) COMMA CUFLASH_ACC32(d, 8), \
-                         "%64", "%65", "%66");                                                  \
+        CUFLASH_WGMMA_SS_T(128, TYPE, CUFLASH_REGS64, CUFLASH_ACC32(d, 0) COMMA CUFLASH_ACC32(d, 8), \
+                           "%64", "%65", "%66", "0, 0");                                        \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_ss_mn<TYPE_TAG>(float (&d)[8][4], unsigned long long a_desc, \
+                                                          unsigned long long b_desc, int accumulate) { \
+        CUFLASH_WGMMA_SS_T(64, TYPE, CUFLASH_REGS32, CUFLASH_ACC32(d, 0), "%32", "%33", "%34", "1, 1"); \
     }                                                                                           \
     template <>                                                                                 \
     __device__ __forceinline__ void wgmma_rs<TYPE_TAG, 64>(float (&d)[8][4], const u32 (&a)[4], \
@@ -158,7 +167,7 @@ CUFLASH_DEFINE_WGMMA(bf16, "bf16")
 CUFLASH_DEFINE_WGMMA(fp16, "f16")
 #undef COMMA
 #undef CUFLASH_DEFINE_WGMMA
-#undef CUFLASH_WGMMA_SS
+#undef CUFLASH_WGMMA_SS_T
 #undef CUFLASH_WGMMA_RS
 #undef CUFLASH_REGS32
 #undef CUFLASH_REGS64

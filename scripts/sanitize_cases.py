@@ -133,6 +133,8 @@ def _form(form, d):
         return _config.sm90_tiles_override({d: tiles[:4] + (False,) + tiles[5:]})
     if form == "one item a CTA":
         return _config.sm90_tiles_override({d: tiles[:5] + (False,)})
+    if form == "wgmma backward":
+        return _config.wgmma_backward(True)
     return contextlib.nullcontext()
 
 
@@ -165,7 +167,8 @@ def main(argv=None) -> int:
         # cases that pick the wgmma forward once more in each.
         hopper = [case for case in case_list
                   if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
-        runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA") for case in hopper]
+        runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA", "wgmma backward")
+                 for case in hopper]
     for case, form in runs:
         start = time.perf_counter()
         with _form(form, case.d):

@@ -1,0 +1,288 @@
+// flash_bwd_sm90.cu: the backward pass's key-tile kernel on Hopper's warpgroup matrix multiply
+// (wgmma, sm_90a) for float16 / bfloat16 with head dim 64 or 128. DRAFT: written without a
+// GPU; it replaces flash_bwd_kernel only where cuflash/_config.py says so.
+//
+// One CTA owns 128 keys and walks the query tiles of 64 rows that see them; three warpgroups:
+//   producer     warpgroup 0 copies K and V once, then per query tile Q, dO and the row
+//                statistics ((m, log2 l) and D, from flash_bwd_preprocess) into a ring of
+//                STAGES buffers (cp.async completing on mbarriers, as in flash_fwd_sm90.cu).
+//   consumers    warpgroups 1 and 2 own 64 keys each and keep their dK, dV in registers.
+//                Per query tile, everything transposed so that keys are the rows:
+//                  S^T  = K Q^T           wgmma, both from shared memory
+//                  dP^T = V dO^T          likewise
+//                  P^T  = exp2(...)       recompute_p from the statistics, masked
+//                  dS^T = P^T o (dP^T - D)
+//                  dV  += P^T dO          wgmma, P^T from registers, dO read transposed
+//                  dK  += dS^T Q          wgmma, dS^T from registers, Q read transposed
+//                  dQ  += dS K            (ATOMIC_DQ) dS^T goes through shared memory; each
+//                                         warpgroup computes 64 columns of dQ (head dim 128;
+//                                         at 64 warpgroup 1 does all) and adds them to the
+//                                         float32 dQ with vector atomics
+// dK (times scale) and dV are written once at the end, like flash_bwd_kernel's.
+#include "common.cuh"
+#include "mask.cuh"
+#include "sm90.cuh"
+#include "bwd_common.cuh"
+
+namespace cuflash {
+
+constexpr int kBwd90Keys = 128;    // keys per CTA: two consumer warpgroups of 64
+constexpr int kBwd90Rows = 64;     // queries per tile walked
+constexpr int kBwd90Threads = 3 * 128;
+constexpr int kBwd90ProducerRegisters = 40, kBwd90ConsumerRegisters = 232;
+static_assert(128 * kBwd90ProducerRegisters + 256 * kBwd90ConsumerRegisters <= 168 * kBwd90Threads,
+              "register budget");
+
+template <int HD, int STAGES>
+struct Bwd90SmemLayout {
+    static constexpr int kv_bytes = kBwd90Keys * HD * 2;   // K, and V
+    static constexpr int q_bytes = kBwd90Rows * HD * 2;    // Q, and dO, per stage
+    static constexpr int ds_bytes = kBwd90Keys * kBwd90Rows * 2;
+    static constexpr int stat_floats = 3 * kBwd90Rows;     // (m, log2 l) pairs, then D
+    static constexpr int k_offset = 0;
+    static constexpr int v_offset = kv_bytes;
+    static constexpr int q_offset = 2 * kv_bytes;
+    static constexpr int do_offset = q_offset + STAGES * q_bytes;
+    static constexpr int ds_offset = do_offset + STAGES * q_bytes;
+    static constexpr int stat_offset = ds_offset + ds_bytes;
+    static constexpr int barrier_offset = stat_offset + STAGES * stat_floats * 4;
+    static constexpr int barriers = 1 + 2 * STAGES;  // K/V loaded; per stage, loaded and read
+    static constexpr int bytes = barrier_offset + 8 * barriers + 1024;
+};
+
+template <int STAGES>
+struct Bwd90Barriers {
+    u32 base;
+    __device__ __forceinline__ u32 kv_full() const { return base; }
+    __device__ __forceinline__ u32 full(int s) const { return base + 8 * (1 + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return base + 8 * (1 + STAGES + s); }
+};
+
+// dS^T of one warpgroup (its 64 keys from key row0) into the shared tile the dQ matmul reads:
+// [128 keys][64 queries], 16-bit, swizzled like V (queries contiguous: MN-major for A).
+template <typename T>
+__device__ __forceinline__ void store_ds(u32 sDS, const float (&ds)[kBwd90Rows / 8][4], int row0, int warp, int lane) {
+#pragma unroll
+    for (int n = 0; n < kBwd90Rows / 8; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = row0 + 16 * warp + lane / 4 + 8 * h, q = 8 * n + 2 * (lane % 4);
+            const u32 addr = sDS + sm90::swizzled_offset<kBwd90Keys>(key, q / 8) + (q % 8) * 2;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(ds[n][2 * h], ds[n][2 * h + 1])));
+        }
+}
+
+// The accumulator of a 64 x 64 tile packed as wgmma A fragments (the forward's pack_p).
+template <typename T>
+__device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            frag[kk][2 * half] = pack2<T>(acc[2 * kk + half][0], acc[2 * kk + half][1]);
+            frag[kk][2 * half + 1] = pack2<T>(acc[2 * kk + half][2], acc[2 * kk + half][3]);
+        }
+}
+
+template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE>
+__global__ void __launch_bounds__(kBwd90Threads, 1)
+flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using L = Bwd90SmemLayout<HD, STAGES>;
+    static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    require_dynamic_smem((u32)L::bytes);
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sK = base + L::k_offset, sV = base + L::v_offset, sQ = base + L::q_offset;
+    const u32 sDO = base + L::do_offset, sDS = base + L::ds_offset;
+    float* sStat = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)) + L::stat_offset);
+    const Bwd90Barriers<STAGES> bar{base + L::barrier_offset};
+
+    const i64 bidx = flat_batch_index();
+    if (bidx >= p.num_batch) return;
+    const int tid = threadIdx.x, warpgroup = tid / 128;
+    if (tid == 0) {
+        sm90::mbarrier_init(bar.kv_full(), 128);
+        for (int s = 0; s < STAGES; ++s) {
+            sm90::mbarrier_init(bar.full(s), 128);
+            sm90::mbarrier_init(bar.empty(s), 256);
+        }
+    }
+    __syncthreads();
+
+    const int key_tile = (int)blockIdx.x;
+    const i64 k0 = (i64)key_tile * kBwd90Keys;
+    const i64 nq = p.nq, nk = p.nk;
+    const Band band = Band::of<CAUSAL>(p);
+    const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows);
+    const int n_tiles = tiles.count;
+
+    if (warpgroup == 0) {
+        // ---- producer ----
+        sm90::release_registers<kBwd90ProducerRegisters>();
+        if (n_tiles > 0) {
+            const BatchOffsets off = batch_offsets(p, bidx);
+            const T* gK = static_cast<const T*>(p.k) + off.k;
+            const T* gV = static_cast<const T*>(p.v) + off.v;
+            const T* gQ = static_cast<const T*>(p.q) + off.q;
+            const T* gDO = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
+            const float* gLse = b.lse2 + 2 * bidx * b.nq_pad;
+            const float* gD = b.delta + bidx * b.nq_pad;
+            sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, gK, p.k_row_stride, k0, nk, p.d, tid);
+            sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sV, gV, p.v_row_stride, k0, nk, p.dv, tid);
+            sm90::cp_async_arrive(bar.kv_full());
+            for (int t = 0; t < n_tiles; ++t) {
+                const int s = t % STAGES;
+                if (t >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((t / STAGES) & 1) ^ 1);
+                const i64 q0 = (i64)tiles.tile(t) * kBwd90Rows;
+                sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sQ + s * L::q_bytes, gQ, p.q_row_stride, q0, nq, p.d, tid);
+                sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sDO + s * L::q_bytes, gDO, b.do_row_stride, q0, nq, p.dv, tid);
+                // statistics rows [q0, q0 + 64) exist up to nq_pad: 32 + 16 chunks of 16 bytes
+                float* st = sStat + s * L::stat_floats;
+                if (tid < 32) cp_async_16(smem_addr(st + 4 * tid), gLse + 2 * q0 + 4 * tid, true);
+                else if (tid < 48) cp_async_16(smem_addr(st + 2 * kBwd90Rows + 4 * (tid - 32)), gD + q0 + 4 * (tid - 32), true);
+                sm90::cp_async_arrive(bar.full(s));
+            }
+            cp_async_wait<0>();
+        }
+        return;
+    }
+
+    // ---- consumers: 64 keys each ----
+    sm90::claim_registers<kBwd90ConsumerRegisters>();
+    const int ct = tid % 128, warp = ct / 32, lane = ct % 32;
+    const int row0 = 64 * (warpgroup - 1);   // the warpgroup's first key in the CTA's tile
+    const i64 wk0 = k0 + row0;               // ... as an absolute key
+    const int my_col = 2 * (lane % 4);
+    const float scale = (float)p.scale;
+    int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
+    band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
+
+    float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
+
+    if (n_tiles > 0) {
+        sm90::mbarrier_wait(bar.kv_full(), 0);
+        sm90::fence_async_shared();
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+        const int s = t % STAGES;
+        const int q_tile = tiles.tile(t);
+        const i64 q0 = (i64)q_tile * kBwd90Rows;
+        const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
+        const float* st = sStat + s * L::stat_floats;
+        sm90::mbarrier_wait(bar.full(s), (t / STAGES) & 1);
+        sm90::fence_async_shared();
+
+        // -- S^T = K Q^T and dP^T = V dO^T, one group each --
+        float acc_s[8][4], acc_dp[8][4];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+            sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
+                                  sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
+        sm90::wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+            sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
+                                  sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();
+        sm90::fence_operand(acc_s);
+
+        // -- P^T: rows are keys, columns queries; masked where the pair is not allowed --
+        const bool masked = q_tile < clean_first || q_tile > clean_last;
+        const TileMask mask(band, q0, wk0, nk);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
+                float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
+                if (masked && !mask.allowed(ql, kl)) pv = 0.f;
+                if (tiles.partial(t) && (q0 + ql >= nq || wk0 + kl >= nk || !tiles.block_present(p, q0 + ql, wk0 + kl)))
+                    pv = 0.f;
+                acc_s[n][e] = pv;
+            }
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(acc_dp);
+        // -- dS^T = P^T o (dP^T - D) --
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_dp[n][e] = acc_s[n][e] * (acc_dp[n][e] - st[2 * kBwd90Rows + 8 * n + my_col + (e & 1)]);
+
+        // -- dV += P^T dO, dK += dS^T Q --
+        u32 p_frag[4][4], ds_frag[4][4];
+        pack_frags<T>(acc_s, p_frag);
+        pack_frags<T>(acc_dp, ds_frag);
+        if (ATOMIC_DQ) store_ds<T>(sDS, acc_dp, row0, warp, lane);
+        sm90::fence_operand(acc_dv);
+        sm90::fence_operand(acc_dk);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
+        sm90::wgmma_commit();
+
+        if (ATOMIC_DQ) {
+            // -- dQ += scale * dS K over all 128 keys: dS^T of both warpgroups must be in --
+            sm90::fence_async_shared();
+            sm90::named_barrier_sync<1, 256>();
+            if (HD == 128 || warpgroup == 1) {
+                float acc_dq[8][4];
+                const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
+                // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
+                // transposed: both MN-major. 64-column block col0 / 64 of K.
+#pragma unroll
+                for (int kk = 0; kk < kBwd90Keys / 16; ++kk)
+                    sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(sDS, kk),
+                                         sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk),
+                                         kk > 0);
+                sm90::wgmma_commit();
+                sm90::wgmma_wait<0>();
+                sm90::fence_operand(acc_dq);
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const i64 q = q0 + 16 * warp + lane / 4 + 8 * h;
+                        if (q < nq)
+                            atomic_add_pair(b.dq_acc + (bidx * nq + q) * p.d + col0 + 8 * n + my_col,
+                                            scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                    }
+            } else {
+                sm90::wgmma_wait<0>();
+            }
+            // dS^T is read by both warpgroups' dQ matmuls before either writes the next tile's
+            sm90::named_barrier_sync<2, 256>();
+        } else {
+            sm90::wgmma_wait<0>();
+        }
+        sm90::fence_operand(acc_dv);
+        sm90::fence_operand(acc_dk);
+        sm90::mbarrier_arrive(bar.empty(s));
+    }
+
+    // -- dK (times scale) and dV, once --
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;
+        if (key >= nk) continue;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
+                          scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
+            store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
+                          acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
+        }
+    }
+}
+
+}  // namespace cuflash

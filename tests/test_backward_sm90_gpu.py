@@ -1,0 +1,72 @@
+"""The (draft, opt-in) wgmma backward key pass (kernels/flash_bwd_sm90.cu) on an H100/H200,
+against the float64 reference with the dense tests' error rule. Skipped elsewhere."""
+
+import pytest
+
+from conftest import HAS_GPU, requires_gpu
+from cuflash import _config
+from cuflash import masks as M
+from cuflash import reference as ref
+from gpu_util import check_backward, check_forward, random_array, to_device
+
+
+def _has_wgmma():
+    if not HAS_GPU:
+        return False
+    import cupy
+
+    return _config.has_wgmma(cupy.cuda.Device().compute_capability)
+
+
+pytestmark = [requires_gpu, pytest.mark.skipif(not _has_wgmma(), reason="needs compute capability 9.0"),
+              pytest.mark.usefixtures("poisoned_pool")]
+
+
+def run_checked(q, k, v, do, *, dtype, causal=False, deterministic=False, mask=None, **options):
+    import cuflash
+
+    q_d, k_d, v_d, do_d = (to_device(x) for x in (q, k, v, do))
+    with _config.wgmma_backward(True):
+        out = cuflash.attention(q_d, k_d, v_d, causal=causal, **options)
+        grads = cuflash.attention_backward(do_d, q_d, k_d, v_d, *out, causal=causal,
+                                           deterministic=deterministic, **options)
+    check_forward(out, q, k, v, causal=causal, dtype=dtype, mask=mask)
+    check_backward(grads, do, q, k, v, causal=causal, dtype=dtype, mask=mask)
+
+
+def test_dispatcher_picks_it_only_when_on():
+    plan = _config.backward_plan("bfloat16", 128, 128, False, False, wgmma=True, wgmma_backward_on=True)
+    assert isinstance(plan.key_passes[0], _config.HopperBackward)
+    plan = _config.backward_plan("bfloat16", 128, 128, False, False, wgmma=True, wgmma_backward_on=False)
+    assert not isinstance(plan.key_passes[0], _config.HopperBackward)
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_lengths(dtype, d, causal, deterministic, rng):
+    for nq, nk in ((1, 1), (63, 65), (200, 129), (129, 300), (1000, 1000)):
+        q = random_array(rng, (1, 2, nq, d), dtype)
+        k, v = (random_array(rng, (1, 2, nk, d), dtype) for _ in range(2))
+        do = random_array(rng, (1, 2, nq, d), dtype)
+        run_checked(q, k, v, do, dtype=dtype, causal=causal, deterministic=deterministic)
+
+
+def test_grouped_heads(rng):
+    dtype = "bfloat16"
+    q, do = (random_array(rng, (2, 8, 300, 128), dtype) for _ in range(2))
+    k, v = (random_array(rng, (2, 2, 300, 128), dtype) for _ in range(2))
+    run_checked(q, k, v, do, dtype=dtype, causal=True)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_windows_and_block_masks(d, rng):
+    dtype = "bfloat16"
+    n = 1100
+    q, k, v, do = (random_array(rng, (1, 2, n, d), dtype) for _ in range(4))
+    window = (150, 40)
+    run_checked(q, k, v, do, dtype=dtype, window=window, mask=ref.element_mask(n, n, window=window))
+    tq = -(-n // 100)
+    blocks = M.BlockMask.from_dense(M.butterfly(16).to_dense()[:tq, :tq], 100)
+    run_checked(q, k, v, do, dtype=dtype, causal=True, block_mask=blocks, mask=ref.element_mask(n, n, block_mask=blocks))
