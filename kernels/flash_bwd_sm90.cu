@@ -144,143 +144,142 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             }
             cp_async_wait<0>();
         }
-        return;
-    }
+    } else {
+        // ---- consumers: 64 keys each ----
+        sm90::claim_registers<kBwd90ConsumerRegisters>();
+        const int ct = tid % 128, warp = ct / 32, lane = ct % 32;
+        const int row0 = 64 * (warpgroup - 1);   // the warpgroup's first key in the CTA's tile
+        const i64 wk0 = k0 + row0;               // ... as an absolute key
+        const int my_col = 2 * (lane % 4);
+        const float scale = (float)p.scale;
+        int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
+        band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
 
-    // ---- consumers: 64 keys each ----
-    sm90::claim_registers<kBwd90ConsumerRegisters>();
-    const int ct = tid % 128, warp = ct / 32, lane = ct % 32;
-    const int row0 = 64 * (warpgroup - 1);   // the warpgroup's first key in the CTA's tile
-    const i64 wk0 = k0 + row0;               // ... as an absolute key
-    const int my_col = 2 * (lane % 4);
-    const float scale = (float)p.scale;
-    int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
-    band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
+        float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
 
-    float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
-
-    if (n_tiles > 0) {
-        sm90::mbarrier_wait(bar.kv_full(), 0);
-        sm90::fence_async_shared();
-    }
-    for (int t = 0; t < n_tiles; ++t) {
-        const int s = t % STAGES;
-        const int q_tile = tiles.tile(t);
-        const i64 q0 = (i64)q_tile * kBwd90Rows;
-        const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
-        const float* st = sStat + s * L::stat_floats;
-        sm90::mbarrier_wait(bar.full(s), (t / STAGES) & 1);
-        sm90::fence_async_shared();
-
-        // -- S^T = K Q^T and dP^T = V dO^T, one group each --
-        float acc_s[8][4], acc_dp[8][4];
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk)
-            sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
-                                  sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
-        sm90::wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk)
-            sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
-                                  sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<1>();
-        sm90::fence_operand(acc_s);
-
-        // -- P^T: rows are keys, columns queries; masked where the pair is not allowed --
-        const bool masked = q_tile < clean_first || q_tile > clean_last;
-        const TileMask mask(band, q0, wk0, nk);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
-                float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
-                if (masked && !mask.allowed(ql, kl)) pv = 0.f;
-                if (tiles.partial(t) && (q0 + ql >= nq || wk0 + kl >= nk || !tiles.block_present(p, q0 + ql, wk0 + kl)))
-                    pv = 0.f;
-                acc_s[n][e] = pv;
-            }
-        sm90::wgmma_wait<0>();
-        sm90::fence_operand(acc_dp);
-        // -- dS^T = P^T o (dP^T - D) --
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                acc_dp[n][e] = acc_s[n][e] * (acc_dp[n][e] - st[2 * kBwd90Rows + 8 * n + my_col + (e & 1)]);
-
-        // -- dV += P^T dO, dK += dS^T Q --
-        u32 p_frag[4][4], ds_frag[4][4];
-        pack_frags<T>(acc_s, p_frag);
-        pack_frags<T>(acc_dp, ds_frag);
-        if (ATOMIC_DQ) store_ds<T>(sDS, acc_dp, row0, warp, lane);
-        sm90::fence_operand(acc_dv);
-        sm90::fence_operand(acc_dk);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
-        sm90::wgmma_commit();
-
-        if (ATOMIC_DQ) {
-            // -- dQ += scale * dS K over all 128 keys: dS^T of both warpgroups must be in --
+        if (n_tiles > 0) {
+            sm90::mbarrier_wait(bar.kv_full(), 0);
             sm90::fence_async_shared();
-            sm90::named_barrier_sync<1, 256>();
-            if (HD == 128 || warpgroup == 1) {
-                float acc_dq[8][4];
-                const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
-                // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
-                // transposed: both MN-major. 64-column block col0 / 64 of K.
+        }
+        for (int t = 0; t < n_tiles; ++t) {
+            const int s = t % STAGES;
+            const int q_tile = tiles.tile(t);
+            const i64 q0 = (i64)q_tile * kBwd90Rows;
+            const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
+            const float* st = sStat + s * L::stat_floats;
+            sm90::mbarrier_wait(bar.full(s), (t / STAGES) & 1);
+            sm90::fence_async_shared();
+
+            // -- S^T = K Q^T and dP^T = V dO^T, one group each --
+            float acc_s[8][4], acc_dp[8][4];
+            sm90::wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < kBwd90Keys / 16; ++kk)
-                    sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(sDS, kk),
-                                         sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk),
-                                         kk > 0);
-                sm90::wgmma_commit();
-                sm90::wgmma_wait<0>();
-                sm90::fence_operand(acc_dq);
+            for (int kk = 0; kk < HD / 16; ++kk)
+                sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
+                                      sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
+            sm90::wgmma_commit();
 #pragma unroll
-                for (int n = 0; n < 8; ++n)
+            for (int kk = 0; kk < HD / 16; ++kk)
+                sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
+                                      sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+            sm90::wgmma_commit();
+            sm90::wgmma_wait<1>();
+            sm90::fence_operand(acc_s);
+
+            // -- P^T: rows are keys, columns queries; masked where the pair is not allowed --
+            const bool masked = q_tile < clean_first || q_tile > clean_last;
+            const TileMask mask(band, q0, wk0, nk);
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const i64 q = q0 + 16 * warp + lane / 4 + 8 * h;
-                        if (q < nq)
-                            atomic_add_pair(b.dq_acc + (bidx * nq + q) * p.d + col0 + 8 * n + my_col,
-                                            scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
-                    }
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
+                    float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
+                    if (masked && !mask.allowed(ql, kl)) pv = 0.f;
+                    if (tiles.partial(t) && (q0 + ql >= nq || wk0 + kl >= nk || !tiles.block_present(p, q0 + ql, wk0 + kl)))
+                        pv = 0.f;
+                    acc_s[n][e] = pv;
+                }
+            sm90::wgmma_wait<0>();
+            sm90::fence_operand(acc_dp);
+            // -- dS^T = P^T o (dP^T - D) --
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_dp[n][e] = acc_s[n][e] * (acc_dp[n][e] - st[2 * kBwd90Rows + 8 * n + my_col + (e & 1)]);
+
+            // -- dV += P^T dO, dK += dS^T Q --
+            u32 p_frag[4][4], ds_frag[4][4];
+            pack_frags<T>(acc_s, p_frag);
+            pack_frags<T>(acc_dp, ds_frag);
+            if (ATOMIC_DQ) store_ds<T>(sDS, acc_dp, row0, warp, lane);
+            sm90::fence_operand(acc_dv);
+            sm90::fence_operand(acc_dk);
+            sm90::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
+            sm90::wgmma_commit();
+
+            if (ATOMIC_DQ) {
+                // -- dQ += scale * dS K over all 128 keys: dS^T of both warpgroups must be in --
+                sm90::fence_async_shared();
+                sm90::named_barrier_sync<1, 256>();
+                if (HD == 128 || warpgroup == 1) {
+                    float acc_dq[8][4];
+                    const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
+                    // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
+                    // transposed: both MN-major. 64-column block col0 / 64 of K.
+#pragma unroll
+                    for (int kk = 0; kk < kBwd90Keys / 16; ++kk)
+                        sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(sDS, kk),
+                                             sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk),
+                                             kk > 0);
+                    sm90::wgmma_commit();
+                    sm90::wgmma_wait<0>();
+                    sm90::fence_operand(acc_dq);
+#pragma unroll
+                    for (int n = 0; n < 8; ++n)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const i64 q = q0 + 16 * warp + lane / 4 + 8 * h;
+                            if (q < nq)
+                                atomic_add_pair(b.dq_acc + (bidx * nq + q) * p.d + col0 + 8 * n + my_col,
+                                                scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                        }
+                } else {
+                    sm90::wgmma_wait<0>();
+                }
+                // dS^T is read by both warpgroups' dQ matmuls before either writes the next tile's
+                sm90::named_barrier_sync<2, 256>();
             } else {
                 sm90::wgmma_wait<0>();
             }
-            // dS^T is read by both warpgroups' dQ matmuls before either writes the next tile's
-            sm90::named_barrier_sync<2, 256>();
-        } else {
-            sm90::wgmma_wait<0>();
+            sm90::fence_operand(acc_dv);
+            sm90::fence_operand(acc_dk);
+            sm90::mbarrier_arrive(bar.empty(s));
         }
-        sm90::fence_operand(acc_dv);
-        sm90::fence_operand(acc_dk);
-        sm90::mbarrier_arrive(bar.empty(s));
-    }
 
-    // -- dK (times scale) and dV, once --
+        // -- dK (times scale) and dV, once --
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;
-        if (key >= nk) continue;
+        for (int h = 0; h < 2; ++h) {
+            const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;
+            if (key >= nk) continue;
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
-                          scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
-            store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
-                          acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
+            for (int n = 0; n < HD / 8; ++n) {
+                store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
+                              scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
+                store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
+                              acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
+            }
         }
     }
 }
