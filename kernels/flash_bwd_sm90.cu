@@ -174,23 +174,19 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             sm90::mbarrier_wait(bar.full(s), (t / STAGES) & 1);
             sm90::fence_async_shared();
 
-            // -- S^T = K Q^T and dP^T = V dO^T, one group each --
-            float acc_s[8][4], acc_dp[8][4];
+            // -- S^T = K Q^T --
+            float acc_s[8][4];
             sm90::wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk)
                 sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
                                       sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
             sm90::wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk)
-                sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
-                                      sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
-            sm90::wgmma_commit();
-            sm90::wgmma_wait<1>();
+            sm90::wgmma_wait<0>();
             sm90::fence_operand(acc_s);
 
-            // -- P^T: rows are keys, columns queries; masked where the pair is not allowed --
+            // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
+            // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
             const bool masked = q_tile < clean_first || q_tile > clean_last;
             const TileMask mask(band, q0, wk0, nk);
 #pragma unroll
@@ -204,26 +200,45 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         pv = 0.f;
                     acc_s[n][e] = pv;
                 }
-            sm90::wgmma_wait<0>();
-            sm90::fence_operand(acc_dp);
-            // -- dS^T = P^T o (dP^T - D) --
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_dp[n][e] = acc_s[n][e] * (acc_dp[n][e] - st[2 * kBwd90Rows + 8 * n + my_col + (e & 1)]);
-
-            // -- dV += P^T dO, dK += dS^T Q --
-            u32 p_frag[4][4], ds_frag[4][4];
+            u32 p_frag[4][4];
             pack_frags<T>(acc_s, p_frag);
-            pack_frags<T>(acc_dp, ds_frag);
-            if (ATOMIC_DQ) store_ds<T>(sDS, acc_dp, row0, warp, lane);
+
+            // -- dV += P^T dO and dP^T = V dO^T, one group --
+            float acc_dp[8][4];
             sm90::fence_operand(acc_dv);
-            sm90::fence_operand(acc_dk);
             sm90::wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
                 sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk)
+                sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
+                                      sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+            sm90::wgmma_commit();
+            sm90::wgmma_wait<0>();
+            sm90::fence_operand(acc_dv);
+            sm90::fence_operand(acc_dp);
+
+            // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int n = 2 * kk + half;
+                        const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
+                        const float* d = st + 2 * kBwd90Rows + 8 * n + my_col;
+                        acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d[0]);
+                        acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d[1]);
+                    }
+
+            // -- dK += dS^T Q --
+            u32 ds_frag[4][4];
+            pack_frags<T>(acc_dp, ds_frag);
+            if (ATOMIC_DQ) store_ds<T>(sDS, acc_dp, row0, warp, lane);
+            sm90::fence_operand(acc_dk);
+            sm90::wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
                 sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
@@ -231,6 +246,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 
             if (ATOMIC_DQ) {
                 // -- dQ += scale * dS K over all 128 keys: dS^T of both warpgroups must be in --
+                sm90::wgmma_wait<0>();  // dK first: its fragments' registers go to dQ
+                sm90::fence_operand(acc_dk);
                 sm90::fence_async_shared();
                 sm90::named_barrier_sync<1, 256>();
                 if (HD == 128 || warpgroup == 1) {
@@ -247,16 +264,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     sm90::wgmma_wait<0>();
                     sm90::fence_operand(acc_dq);
 #pragma unroll
-                    for (int n = 0; n < 8; ++n)
+                    for (int h = 0; h < 2; ++h) {
+                        const i64 q = q0 + 16 * warp + lane / 4 + 8 * h;
+                        if (q >= nq) continue;
+                        float* row = b.dq_acc + (bidx * nq + q) * p.d + col0 + my_col;
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const i64 q = q0 + 16 * warp + lane / 4 + 8 * h;
-                            if (q < nq)
-                                atomic_add_pair(b.dq_acc + (bidx * nq + q) * p.d + col0 + 8 * n + my_col,
-                                                scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
-                        }
-                } else {
-                    sm90::wgmma_wait<0>();
+                        for (int n = 0; n < 8; ++n)
+                            atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                    }
                 }
                 // dS^T is read by both warpgroups' dQ matmuls before either writes the next tile's
                 sm90::named_barrier_sync<2, 256>();
