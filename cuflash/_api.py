@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _config, _loader, _tma
+from . import _config, _loader, _tma, _views
 from .masks import DEFAULT_BLOCK_SIZE, BlockMask, _block_pair, window_option
 
 MAX_LEAD_DIMS = 4  # kMaxLead in kernels/common.cuh
@@ -48,6 +48,8 @@ def as_cupy(x, name: str):
             f"needs a GPU array: pass cupy.asarray({name}) or a CUDA tensor"
         )
     if hasattr(x, "__dlpack__"):
+        if _views.is_cuda_tensor(x) and not x.requires_grad:
+            return _views.torch_view(x)
         if hasattr(x, "__dlpack_device__"):
             dev_type, _ = x.__dlpack_device__()
             if int(dev_type) not in _DLPACK_CUDA_DEVICES:
@@ -438,7 +440,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             for name, x in (("q", q), ("k", k), ("v", v)):
                 _check_vector_alignment(x, name, strides[name])
         variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None,
-                                         wgmma=_config.has_wgmma(q.device.compute_capability))
+                                         wgmma=_config.has_wgmma(q.device.compute_capability), nq=nq)
         row_strides = (strides["q"][-2], strides["k"][-2], strides["v"][-2])
         mask_strides = layout.extra_strides[-1] if mask is not None else ()
         sparsity = _sparsity_fields(mask, mask_strides, nq, nk, variant, transpose=False, causal=causal, window=window)

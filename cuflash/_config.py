@@ -179,7 +179,13 @@ class HopperForward(_Launch):
 # fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
 # a thread they take from the producer. Overlap (S of t + 1 issued before P V of t) measured
 # slower on the H200 than letting the two consumer warpgroups interleave (bench/NOTES.md).
-_SM90_FORWARD_TILES = {64: (128, 3, False, True, True, True), 128: (128, 3, False, True, True, True)}
+#
+# persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
+# items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
+# a CTA's ring fills and drains in a handful of key tiles; from 4096 the one-item-a-CTA grid
+# was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k, as its items
+# are not ordered longest first). Ping-pong helps at hdim 64 and not at 128 (bench/NOTES.md).
+_SM90_FORWARD_TILES = {64: (128, 3, False, True, True, 8), 128: (128, 3, False, False, True, 8)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
@@ -218,15 +224,19 @@ _TC_FORWARD_TILES = {
 
 
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
-                   wgmma: bool = False):
+                   wgmma: bool = False, nq: typing.Optional[int] = None):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
     (used by tuning runs). ``sparse``: the launch walks block-sparse tile lists. ``wgmma``: the
-    GPU has wgmma (:func:`has_wgmma`); head dims 64 and 128 (d = dv) then run on it.
+    GPU has wgmma (:func:`has_wgmma`); head dims 64 and 128 (d = dv) then run on it. ``nq``:
+    the query length, which picks the wgmma forward's persistent form or not.
     """
     if wgmma and tiles is None and _wgmma_forward[0] and dtype in _TYPE_TAG and d == dv and d in _SM90_FORWARD_TILES:
-        return HopperForward(dtype, d, *_SM90_FORWARD_TILES[d], bool(causal), sparse=bool(sparse))
+        *schedule, persistent = _SM90_FORWARD_TILES[d]
+        if not isinstance(persistent, bool):
+            persistent = nq is not None and -(-nq // HopperForward.block_rows) <= persistent
+        return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.
@@ -245,14 +255,16 @@ def all_forward_variants(wgmma: bool = False):
             for causal in (False, True):
                 for dtype in ("float16", "bfloat16"):
                     for hd in sorted(_SM90_FORWARD_TILES):
-                        variant = forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True)
-                        variants.append(variant)
-                        # The forms the dispatcher falls back to: cp.async for inputs the copy
-                        # engine cannot map, one item a CTA past 2^31 items.
-                        fallbacks = {dataclasses.replace(variant, tma=False),
-                                     dataclasses.replace(variant, persistent=False),
-                                     dataclasses.replace(variant, tma=False, persistent=False)}
-                        variants += sorted(fallbacks - {variant}, key=lambda v: v.key)
+                        # Short and long queries (persistent or not, where the table switches
+                        # on length), and the forms the dispatcher falls back to: cp.async for
+                        # inputs the copy engine cannot map, one item a CTA past 2^31 items.
+                        forms = set()
+                        for nq in (1, 2**30):
+                            variant = forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True, nq=nq)
+                            forms |= {variant, dataclasses.replace(variant, tma=False),
+                                      dataclasses.replace(variant, persistent=False),
+                                      dataclasses.replace(variant, tma=False, persistent=False)}
+                        variants += sorted(forms, key=lambda v: v.key)
     for sparse in (False, True):
         for causal in (False, True):
             for dtype in ("float16", "bfloat16"):
@@ -503,9 +515,11 @@ SPLIT_BACKWARD_ABOVE = 128  # head dims above this compute dV and dK in separate
 
 @dataclasses.dataclass(frozen=True)
 class HopperBackward(_Launch):
-    """DRAFT, opt-in (CUFLASH_WGMMA_BWD=1 or wgmma_backward(True)): the key-tile pass of the
-    backward on wgmma, sm_90a only (kernels/flash_bwd_sm90.cu). One CTA per 128 keys walks
-    query tiles of 64; a producer warpgroup and two consumer warpgroups of 64 keys."""
+    """The key-tile pass of the backward on wgmma, sm_90a only (kernels/flash_bwd_sm90.cu);
+    the default for 16-bit d = dv in {64, 128} there (CUFLASH_WGMMA_BWD=0 or
+    wgmma_backward(False) for the mma.sync pass). One CTA per 128 keys walks query tiles of 64;
+    a producer warpgroup and two consumer warpgroups of 64 keys. With deterministic dQ the
+    mma.sync dQ kernel follows it."""
 
     dtype: str
     head_dim: int  # d = dv = head_dim exactly (64 or 128)
@@ -518,8 +532,8 @@ class HopperBackward(_Launch):
     block_rows = 64
     block_cols = 128
     warps = 12
-    # Not yet run. Dense variants spill 0-16 bytes; the block-sparse ones at head dim 128 with
-    # atomic dQ 136-204 (the partial-tile lookups on top of dK, dV and dQ in 232 registers).
+    # Dense variants spill 0-16 bytes; the block-sparse ones at head dim 128 with atomic dQ
+    # 136-204 (the partial-tile lookups on top of dK, dV and dQ in 232 registers).
     spill_allowance = 256
 
     @property
@@ -546,13 +560,13 @@ class HopperBackward(_Launch):
         )
 
 
-# The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=1 in the environment starts with it on.
-_wgmma_backward = [os.environ.get("CUFLASH_WGMMA_BWD", "0") == "1"]
+# The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=0 in the environment starts with it off.
+_wgmma_backward = [os.environ.get("CUFLASH_WGMMA_BWD", "1") != "0"]
 
 
 @contextlib.contextmanager
 def wgmma_backward(enabled: bool):
-    """Turn the (draft) wgmma backward on or off (off by default)."""
+    """Turn the wgmma backward key pass on or off (on by default where the GPU has wgmma)."""
     saved = _wgmma_backward[0]
     _wgmma_backward[0] = bool(enabled)
     try:

@@ -19,6 +19,7 @@ import torch
 
 import cuflash as _cf
 
+from . import _views
 from ._api import NO_WINDOW, AttentionOutput, as_block_mask, window_option
 from .masks import BlockMask
 
@@ -84,9 +85,9 @@ def _run(device, fn, *tensors, **kwargs):
 
     with cupy.cuda.Device(device.index), cupy.cuda.using_allocator(_torch_allocator(device)):
         with _cupy_stream(device):  # made inside Device(): from_external records the current one
-            # Convert inside the stream block: DLPack's stream hand-off then sees producer and
-            # consumer on the same stream and adds no synchronisation.
-            results = fn(*(cupy.from_dlpack(t.detach()) for t in tensors), **kwargs)
+            # The kernels run on torch's current stream, so the inputs need no stream
+            # hand-off: direct views (cuflash/_views.py), not DLPack's costlier exchange.
+            results = fn(*(_views.torch_view(t, same_stream=True) for t in tensors), **kwargs)
             # .contiguous() is a no-op for cuflash's fresh outputs; it pins the layout to the
             # one the fake implementations promise.
             return tuple(torch.from_dlpack(r).contiguous() for r in results)

@@ -125,7 +125,8 @@ def run_case(case, rng, subset):
 
 def _form(form, d):
     """The context a case runs in: as dispatched, with the wgmma forward off, with its cp.async
-    loads instead of TMA, or with one work item a CTA instead of a persistent grid."""
+    loads instead of TMA, with one work item a CTA instead of a persistent grid (the cases are
+    short, so the dispatcher picks the persistent one), both, or with the mma.sync backward."""
     if form == "wgmma off":
         return _config.wgmma_forward(False)
     tiles = _config._SM90_FORWARD_TILES.get(d)
@@ -133,8 +134,10 @@ def _form(form, d):
         return _config.sm90_tiles_override({d: tiles[:4] + (False,) + tiles[5:]})
     if form == "one item a CTA":
         return _config.sm90_tiles_override({d: tiles[:5] + (False,)})
-    if form == "wgmma backward":
-        return _config.wgmma_backward(True)
+    if form == "cp.async, one item a CTA":
+        return _config.sm90_tiles_override({d: tiles[:4] + (False, False)})
+    if form == "wgmma backward off":
+        return _config.wgmma_backward(False)
     return contextlib.nullcontext()
 
 
@@ -162,12 +165,14 @@ def main(argv=None) -> int:
     case_list = cases(args.subset)
     runs = [(case, "") for case in case_list]
     if _config.has_wgmma(arch):
-        # The forms the default wgmma forward replaces stay reachable: the mma.sync forward
-        # (CUFLASH_WGMMA=0) and the cp.async wgmma forward (inputs TMA cannot map). Run the
-        # cases that pick the wgmma forward once more in each.
+        # The forms the default wgmma kernels replace stay reachable: the mma.sync forward
+        # (CUFLASH_WGMMA=0) and backward (CUFLASH_WGMMA_BWD=0), the cp.async wgmma forward
+        # (inputs TMA cannot map), the one-item-a-CTA grid (long queries). Run the cases that
+        # pick the wgmma kernels once more in each.
         hopper = [case for case in case_list
                   if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
-        runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA", "wgmma backward")
+        runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA", "cp.async, one item a CTA",
+                                         "wgmma backward off")
                  for case in hopper]
     for case, form in runs:
         start = time.perf_counter()

@@ -151,7 +151,7 @@ def test_flash_between_lower_bound_and_standard():
     assert tiles["fwd"] == (variant.block_rows, variant.block_cols)
     hopper = _config.forward_config("bfloat16", 64, 64, False, wgmma=True)
     assert io.cuflash_tiles("bfloat16", 64, wgmma=True)["fwd"] == (hopper.block_rows, hopper.block_cols)
-    key_pass = _config.backward_plan("bfloat16", 64, 64, False, False).key_passes[0]
+    key_pass = _config.backward_plan("bfloat16", 64, 64, False, False, wgmma=common.device_has_wgmma()).key_passes[0]
     assert tiles["bwd"] == (key_pass.block_rows, key_pass.block_cols)
     flash = io.flash_traffic(1024, 64, 16, 64, fwd_tiles=tiles["fwd"], bwd_tiles=tiles["bwd"])
     low = io.compulsory_traffic(1024, 64, 16, 64)
@@ -881,10 +881,12 @@ def test_kernel_variants():
     keys = [v.key for v in cli.kernel_variants(args)]
     assert len(keys) == len(set(keys))
     # 4 dense (hdim x causal), the IO sweep's tiles (one of them the default, unless the dense
-    # forward runs on wgmma), 1 block-sparse
-    shared_default = 0 if common.device_has_wgmma() else 1
-    assert sum(k.startswith("fwd_") for k in keys) == 4 + len(io.SWEEP_TILES) - shared_default + 1
-    assert sum(k.endswith("_sparse") for k in keys) == 2  # its forward and backward key pass
+    # forward runs on wgmma), 1 block-sparse; on wgmma each forward in its persistent form (short
+    # queries) and its one-item-a-CTA form (long ones)
+    wgmma = common.device_has_wgmma()
+    forms = 2 if wgmma else 1
+    assert sum(k.startswith("fwd_") for k in keys) == 5 * forms + len(io.SWEEP_TILES) - (not wgmma)
+    assert sum(k.endswith("_sparse") for k in keys) == forms + 1  # its forward(s) and backward key pass
     args = cli.parse_args(["--tables", "speed", "--hdims", "64", "--causal", "no", "--tiles",
                            "64,64,4,1"])
     assert [v.key.split("_")[0] for v in cli.kernel_variants(args)].count("fwd") == 2

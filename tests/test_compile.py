@@ -45,11 +45,12 @@ def test_dispatcher_only_picks_listed_variants():
             for dv in (8, d, 256):
                 for causal in (False, True):
                     for wgmma in (False, True):
-                        assert _config.forward_config(dtype, d, dv, causal, wgmma=wgmma).key in listed
-                    for deterministic in (False, True):
-                        plan = _config.backward_plan(dtype, d, dv, causal, deterministic)
-                        for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
-                            assert kernel is None or kernel.key in listed
+                        for nq in (None, 1, 1024, 1025, 2**30):
+                            assert _config.forward_config(dtype, d, dv, causal, wgmma=wgmma, nq=nq).key in listed
+                        for deterministic in (False, True):
+                            plan = _config.backward_plan(dtype, d, dv, causal, deterministic, wgmma=wgmma)
+                            for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
+                                assert kernel is None or kernel.key in listed
 
 
 def test_compile_error_is_reported():

@@ -348,8 +348,8 @@ def test_threads_on_first_use_compile_each_variant_once(monkeypatch, rng):
     arch = cupy.cuda.Device().compute_capability
     hopper, wgmma = _config.is_hopper(arch), _config.has_wgmma(arch)
     for dtype, d, causal in problems:
-        plan = _config.backward_plan(dtype, d, d, causal, False, hopper=hopper)
-        forward = _config.forward_config(dtype, d, d, causal, wgmma=wgmma)
+        plan = _config.backward_plan(dtype, d, d, causal, False, hopper=hopper, wgmma=wgmma)
+        forward = _config.forward_config(dtype, d, d, causal, wgmma=wgmma, nq=100)
         kernels = (forward, plan.preprocess, *plan.key_passes, plan.dq)
         expected |= {x.name_expression for x in kernels if x is not None}
     assert expected <= set(builds) and all(n == 1 for n in builds.values()), dict(builds)

@@ -161,10 +161,11 @@ def test_absent_tiles_are_never_read(rng):
     from cuflash import _config
 
     block_size, nq, nk = 128, 1000, 900
-    hopper = _config.is_hopper(cupy.cuda.Device().compute_capability)  # as attention_backward picks
-    plans = [_config.backward_plan("bfloat16", 64, 64, False, deterministic, hopper=hopper, sparse=True)
+    arch = cupy.cuda.Device().compute_capability  # as attention and attention_backward pick
+    hopper, wgmma = _config.is_hopper(arch), _config.has_wgmma(arch)
+    plans = [_config.backward_plan("bfloat16", 64, 64, False, deterministic, hopper=hopper, sparse=True, wgmma=wgmma)
              for deterministic in (False, True)]
-    forward = _config.forward_config("bfloat16", 64, 64, False, sparse=True)
+    forward = _config.forward_config("bfloat16", 64, 64, False, sparse=True, wgmma=wgmma, nq=nq)
     for variant in (forward, *(v for plan in plans for v in (*plan.key_passes, plan.dq) if v is not None)):
         if any(block_size % t for t in (variant.block_rows, variant.block_cols)):
             pytest.skip(f"{variant.key} has tiles that straddle 128-blocks")

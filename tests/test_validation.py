@@ -290,8 +290,9 @@ def test_every_launch_has_a_tile_shape():
     for dtype in _config.SUPPORTED_DTYPES:
         for d in (32, 64, 128, 256):
             for deterministic, hopper in itertools.product((False, True), repeat=2):
-                plan = _config.backward_plan(dtype, d, d, False, deterministic, hopper=hopper, sparse=True)
-                for variant in (_config.forward_config(dtype, d, d, False, sparse=True), *plan.key_passes, plan.dq):
+                plan = _config.backward_plan(dtype, d, d, False, deterministic, hopper=hopper, sparse=True, wgmma=hopper)
+                forward = _config.forward_config(dtype, d, d, False, sparse=True, wgmma=hopper, nq=100)
+                for variant in (forward, *plan.key_passes, plan.dq):
                     if variant is None:
                         continue
                     rows, cols = variant.block_rows, variant.block_cols

@@ -325,6 +325,15 @@ def io_dtype(args) -> str:
     return next((d for d in args.dtypes if d in ("bfloat16", "float16")), "bfloat16")
 
 
+def forward_forms(dtype: str, hdim: int, causal: bool, *, sparse: bool = False, wgmma: bool = False) -> list:
+    """The forward variants of one shape at short and long query lengths (the wgmma forward
+    is persistent for short ones)."""
+    from cuflash import _config
+
+    forms = (_config.forward_config(dtype, hdim, hdim, causal, sparse=sparse, wgmma=wgmma, nq=n) for n in (1, 2**30))
+    return list({v.key: v for v in forms}.values())
+
+
 def kernel_variants(args) -> list:
     """Every cuflash kernel variant the selected tables will launch (16-bit and float32
     forward and backward per dtype, head dim and causal setting, the IO table's tile sweep,
@@ -343,8 +352,8 @@ def kernel_variants(args) -> list:
         shapes.add((args.dtypes[0], args.hdims[0], False))
     variants = []
     for dtype, hdim, causal in sorted(shapes):
-        variants.append(_config.forward_config(dtype, hdim, hdim, causal, wgmma=wgmma))
-        plan = _config.backward_plan(dtype, hdim, hdim, causal, False)
+        variants += forward_forms(dtype, hdim, causal, wgmma=wgmma)
+        plan = _config.backward_plan(dtype, hdim, hdim, causal, False, wgmma=wgmma)
         variants += [k for k in (plan.preprocess, *plan.key_passes, plan.dq) if k is not None]
         if "speed" in args.tables and dtype != "float32":
             variants += [_config.forward_config(dtype, hdim, hdim, causal, tiles=t)
@@ -355,8 +364,8 @@ def kernel_variants(args) -> list:
                      for t in io.SWEEP_TILES]
     if "sparse" in args.tables:  # the block-sparse kernels are variants of their own
         dtype, d = args.dtypes[0], args.hdims[0]
-        plan = _config.backward_plan(dtype, d, d, False, False, sparse=True)
-        variants += [_config.forward_config(dtype, d, d, False, sparse=True, wgmma=wgmma), *plan.key_passes]
+        plan = _config.backward_plan(dtype, d, d, False, False, sparse=True, wgmma=wgmma)
+        variants += [*forward_forms(dtype, d, False, sparse=True, wgmma=wgmma), *plan.key_passes]
     return list({v.key: v for v in variants}.values())
 
 

@@ -276,14 +276,14 @@ def cuflash_tiles(dtype: str = "bfloat16", d: int = 64, causal: bool = False,
                   wgmma: Optional[bool] = None) -> dict:
     """The tiles cuflash dispatches for this dtype and head dim (read from cuflash._config):
     {"fwd": (br, bc), "bwd": (query rows per tile, keys per CTA)}. wgmma: whether the forward
-    runs on the Hopper kernel; None asks the GPU at hand (none: False)."""
+    and backward run on the Hopper kernels; None asks the GPU at hand (none: False)."""
     from cuflash import _config
 
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"the byte model is that of the 16-bit tensor-core kernels, not {dtype}")
     wgmma = common.device_has_wgmma() if wgmma is None else wgmma
     fwd = _config.forward_config(dtype, d, d, causal, wgmma=wgmma)
-    key_pass = _config.backward_plan(dtype, d, d, causal, False).key_passes[0]
+    key_pass = _config.backward_plan(dtype, d, d, causal, False, wgmma=wgmma).key_passes[0]
     return {"fwd": (fwd.block_rows, fwd.block_cols),
             "bwd": (key_pass.block_rows, key_pass.block_cols)}
 
