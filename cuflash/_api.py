@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
 import struct
@@ -338,8 +339,16 @@ def _sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, 
     )
 
 
-def _sm_count(device) -> int:
-    return device.attributes["MultiProcessorCount"]
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+# id(kernel) -> the dynamic shared memory it has been allowed (kernels live as long as the
+# process, in _loader's cache): reading the attribute back is a driver call on every launch.
+_smem_allowed: dict = {}
 
 
 def _launch(variant, grid_x, num_batch, args, d, dv, grid=None):
@@ -347,8 +356,10 @@ def _launch(variant, grid_x, num_batch, args, d, dv, grid=None):
     stream; ``grid``: a persistent kernel's own grid instead."""
     kernel = _loader.get_kernel(variant)
     smem = variant.smem_bytes(d, dv)
-    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
+    if smem > 48 * 1024 and _smem_allowed.get(id(kernel), 0) < smem:
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        _smem_allowed[id(kernel)] = smem
     if grid is None:
         grid_y = min(num_batch, 65535)  # y is limited to 65535: the rest goes to z
         if -(-num_batch // grid_y) > 65535:
@@ -457,7 +468,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             if variant.persistent and n_q_tiles * num_batch >= 2**31:  # its item count is 32-bit
                 variant = dataclasses.replace(variant, persistent=False)
             if variant.persistent:
-                grid = (min(n_q_tiles * num_batch, _sm_count(q.device)), 1, 1)
+                grid = (min(n_q_tiles * num_batch, _sm_count(q.device.id)), 1, 1)
         _launch(variant, n_q_tiles, num_batch, args, d, dv, grid=grid)
     return AttentionOutput(o, l, m)
 

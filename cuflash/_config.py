@@ -177,15 +177,17 @@ class HopperForward(_Launch):
 
 # (block_cols, stages, overlap, pingpong, tma, persistent) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
 # fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
-# a thread they take from the producer. Overlap (S of t + 1 issued before P V of t) measured
-# slower on the H200 than letting the two consumer warpgroups interleave (bench/NOTES.md).
+# a thread they take from the producer. Overlap (S of t + 1 issued before P V of t, softmax of
+# t + 1 while P V of t runs) with ping-pong is the fastest at hdim 64 (331 against 324 TFLOP/s
+# at seq 4096, 435 against 408 at 16k); at hdim 128 neither helps (506 against 507 at 4096, 591
+# against 564 at 16k), bench/NOTES.md.
 #
 # persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
 # items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
 # a CTA's ring fills and drains in a handful of key tiles; from 4096 the one-item-a-CTA grid
 # was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k, as its items
-# are not ordered longest first). Ping-pong helps at hdim 64 and not at 128 (bench/NOTES.md).
-_SM90_FORWARD_TILES = {64: (128, 3, False, True, True, 8), 128: (128, 3, False, False, True, 8)}
+# are not ordered longest first).
+_SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 

@@ -85,13 +85,18 @@ def get_kernel(variant, device=None):
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\S+)' for '(\S+)'")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+# ptxas's wgmma performance notes, e.g. "(C7514) Potential Performance Loss: wgmma.mma_async
+# instructions are serialized due to ..." or "(C7519) warpgroup.arrive is injected ...".
+_PTXAS_WGMMA_NOTE = re.compile(r"\((C75\d\d)\).*?function '(\S+?)'")
+SERIALIZED_WGMMA = "C7514"
 
 
 def compile_offline(source: str, name_expressions, arch: str):
     """Compile variants of one source for ``arch`` (e.g. 'sm_80', 'sm_90a') with NVRTC alone.
 
-    Returns {name_expression: {'registers', 'stack', 'spill_stores', 'spill_loads'}}; raises
-    RuntimeError with NVRTC's log on a compile error.
+    Returns {name_expression: {'registers', 'stack', 'spill_stores', 'spill_loads',
+    'wgmma_notes'}} (wgmma_notes: the codes of ptxas's wgmma performance notes, such as
+    SERIALIZED_WGMMA); raises RuntimeError with NVRTC's log on a compile error.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -109,16 +114,22 @@ def compile_offline(source: str, name_expressions, arch: str):
     finally:
         nvrtc.destroyProgram(prog)
     report, current = {}, None
-    for line in log.splitlines():
-        if m := _PTXAS_FUNC.search(line):
+    notes = {}
+    for line in log.replace("\0", "").splitlines():
+        if m := _PTXAS_WGMMA_NOTE.search(line):
+            notes.setdefault(lowered.get(m.group(2)), set()).add(m.group(1))
+        elif m := _PTXAS_FUNC.search(line):
             current = lowered.get(m.group(1))
             if current is not None:
-                report[current] = {}
+                report[current] = {"wgmma_notes": ()}
         elif current is not None and (m := _PTXAS_SPILL.search(line)):
             stack, stores, loads = map(int, m.groups())
             report[current].update(stack=stack, spill_stores=stores, spill_loads=loads)
         elif current is not None and (m := _PTXAS_REGS.search(line)):
             report[current]["registers"] = int(m.group(1))
+    for expr, codes in notes.items():
+        if expr in report:
+            report[expr]["wgmma_notes"] = tuple(sorted(codes))
     missing = set(name_expressions) - set(report)
     if missing:
         raise RuntimeError(f"ptxas printed no report for {sorted(missing)}:\n{log}")

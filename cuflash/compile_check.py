@@ -7,7 +7,8 @@ Prints registers, stack frame and spills per variant and architecture; exits non
 compile error or on a variant that spills more than SPILL_BUDGET_BYTES (stores), since every
 listed variant is one the dispatcher runs. The budget is not zero since the sliding-window band
 went into every kernel: the register-bound 16-bit forwards (two 16-row tiles a warp) now spill
-8-32 bytes around the mask; bench/NOTES.md tracks it.
+8-32 bytes around the mask; bench/NOTES.md tracks it. It also exits non-zero on a variant whose
+wgmma instructions ptxas serializes (note C7514), and lists ptxas's other wgmma notes.
 
 --warm compiles every variant for the GPU at hand, in parallel processes, into CuPy's disk
 cache, so that first calls (and test runs on a fresh machine) find them built.
@@ -106,17 +107,22 @@ def main(argv=None) -> int:
         print(exc, file=sys.stderr)
         return 1
     table = [
-        (v.key, arch, r["registers"], r["stack"], r["spill_stores"], r["spill_loads"], spill_budget(v, args.spill_budget))
+        (v.key, arch, r["registers"], r["stack"], r["spill_stores"], r["spill_loads"], spill_budget(v, args.spill_budget),
+         " ".join(r["wgmma_notes"]))
         for v, arch, r in rows
     ]
-    print(tabulate(table, headers=("variant", "arch", "regs", "stack B", "spill st B", "spill ld B", "budget B")))
+    print(tabulate(table, headers=("variant", "arch", "regs", "stack B", "spill st B", "spill ld B", "budget B",
+                                   "wgmma notes")))
     spilled = [row for row in table if row[4] or row[5]]
     over = [row for row in spilled if row[4] > row[6]]
+    serialized = [row for row in table if _loader.SERIALIZED_WGMMA in row[7]]
     print(f"\n{len(table)} variant builds, {len(spilled)} with spills, {len(over)} over their budget "
-          f"({args.spill_budget} B unless the variant documents more)")
+          f"({args.spill_budget} B unless the variant documents more), {len(serialized)} with serialized wgmma")
     for row in spilled:
         print(f"SPILL: {row[0]} on {row[1]}: {row[4]} B stored, {row[5]} B loaded", file=sys.stderr)
-    return 1 if over else 0
+    for row in serialized:
+        print(f"SERIALIZED WGMMA (ptxas {_loader.SERIALIZED_WGMMA}): {row[0]} on {row[1]}", file=sys.stderr)
+    return 1 if over or serialized else 0
 
 
 if __name__ == "__main__":

@@ -272,6 +272,36 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
         pack_p<T, BC>(acc_s, p_frag);
         // Per tile t, one turn issues both matmuls back to back: P V of t and S of t + 1
         // (OVERLAP: S first, and the softmax of t + 1 runs while P V of t is still in flight).
+        if (OVERLAP) {
+            // The last tile is peeled off: with "is there a next tile" tests around the S
+            // issue and its wait, ptxas cannot tell which group a wait retires, and serializes
+            // every wgmma (warning C7514). O is rescaled for tile t (by the softmax of t) while
+            // S of t + 1 runs, just before P V of t accumulates into it.
+            for (int t = 0; t + 1 < n_tiles; ++t) {
+                sm90::fence_operand(acc_o);
+                c.begin_turn();
+                c.issue_s(acc_s, t + 1);
+                rescale_rows(acc_o, correction);
+                c.issue_pv(acc_o, p_frag, t);
+                c.end_turn(false);
+                sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
+                sm90::fence_operand(acc_s);
+                sm90::mbarrier_arrive(bar.k_empty(ring.stage(t + 1, STAGES)));
+                c.softmax_tile(acc_s, t + 1, softmax, correction);
+                sm90::wgmma_wait<0>();
+                sm90::fence_operand(acc_o);
+                sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
+                pack_p<T, BC>(acc_s, p_frag);
+            }
+            sm90::fence_operand(acc_o);
+            c.begin_turn();
+            rescale_rows(acc_o, correction);
+            c.issue_pv(acc_o, p_frag, n_tiles - 1);
+            c.end_turn(true);
+            sm90::wgmma_wait<0>();
+            sm90::fence_operand(acc_o);
+            sm90::mbarrier_arrive(bar.v_empty(ring.stage(n_tiles - 1, STAGES)));
+        } else
         for (int t = 0; t < n_tiles; ++t) {
             const bool more = t + 1 < n_tiles;
             sm90::fence_operand(acc_o);

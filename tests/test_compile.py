@@ -5,7 +5,7 @@ Needs only NVRTC (no GPU, no driver), so it runs in CI.
 
 import pytest
 
-from cuflash import _config, compile_check
+from cuflash import _config, _loader, compile_check
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,14 @@ def test_wgmma_variants_only_for_sm90a():
 def test_no_variant_spills(reports):
     over = [(v.key, arch, r) for v, arch, r in reports if r["spill_stores"] > compile_check.spill_budget(v)]
     assert not over, over
+
+
+def test_no_variant_serializes_its_wgmmas(reports):
+    """ptxas serializes every wgmma of a kernel (note C7514) when it cannot prove that no other
+    instruction reads an accumulator in flight: the overlapped forward did so, and ran slower
+    than without overlap, until its last tile was peeled off the loop."""
+    serialized = [(v.key, arch) for v, arch, r in reports if _loader.SERIALIZED_WGMMA in r["wgmma_notes"]]
+    assert not serialized, serialized
 
 
 def test_dispatcher_only_picks_listed_variants():

@@ -67,7 +67,7 @@ def test_lengths(dtype, d, causal, rng):
 # (block_cols, stages, overlap, pingpong, tma, persistent): every scheduling form the kernel has.
 MODES = ((128, 3, False, True, True, True), (128, 3, False, False, False, False), (128, 3, True, True, True, False),
          (128, 2, True, False, False, True), (64, 3, False, True, True, True), (128, 3, False, True, False, True),
-         (128, 2, False, False, True, False))
+         (128, 2, False, False, True, False), (128, 3, True, False, True, False))
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "bc{}_s{}_o{:d}_p{:d}_t{:d}_r{:d}".format(*m))
