@@ -158,6 +158,20 @@ struct Sm90Consumer {
         sm90::wgmma_commit();
     }
 
+    // S of tile t has been waited for: frees its K buffer and turns the scores into P.
+    __device__ __forceinline__ void take_s(float (&acc_s)[BC / 8][4], int t, OnlineSoftmax<2>& softmax,
+                                           float (&correction)[2]) const {
+        sm90::fence_operand(acc_s);
+        sm90::mbarrier_arrive(bar.k_empty(ring.stage(t, STAGES)));
+        softmax_tile(acc_s, t, softmax, correction);
+    }
+    // Waits for every wgmma in flight (P V of t last) and frees tile t's V buffer.
+    __device__ __forceinline__ void finish_pv(float (&acc_o)[HD / 8][4], int t) const {
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(acc_o);
+        sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
+    }
+
     // Masks tile t's scores (tiles crossing the key end or the band's edges, partial blocks),
     // folds them into the running statistics and replaces each score by its unnormalised
     // probability, in place. Returns through `correction` the factor O must be rescaled by.
@@ -228,7 +242,7 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // The consumer warpgroups' side of flash_fwd_sm90_kernel: 64 query rows from row0 of the
 // CTA's tile, every key tile the producer delivers. With OVERLAP, software-pipelined by one
 // tile: S of tile t + 1 is issued before P V of tile t, so that the tensor cores run P V while
-// this warpgroup exponentiates tile t + 1; only the rescale of O waits for P V to finish.
+// this warpgroup exponentiates tile t + 1.
 // Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
 // gaps).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
@@ -266,17 +280,15 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
         c.issue_s(acc_s, 0);
         c.end_turn(false);
         sm90::wgmma_wait<0>();
-        sm90::fence_operand(acc_s);
-        sm90::mbarrier_arrive(bar.k_empty(ring.stage(0, STAGES)));
-        c.softmax_tile(acc_s, 0, softmax, correction);  // O is 0: nothing to rescale
+        c.take_s(acc_s, 0, softmax, correction);  // O is 0: nothing to rescale
         pack_p<T, BC>(acc_s, p_frag);
-        // Per tile t, one turn issues both matmuls back to back: P V of t and S of t + 1
-        // (OVERLAP: S first, and the softmax of t + 1 runs while P V of t is still in flight).
+        // Per tile t, one turn issues both matmuls back to back: P V of t and S of t + 1.
         if (OVERLAP) {
-            // The last tile is peeled off: with "is there a next tile" tests around the S
-            // issue and its wait, ptxas cannot tell which group a wait retires, and serializes
-            // every wgmma (warning C7514). O is rescaled for tile t (by the softmax of t) while
-            // S of t + 1 runs, just before P V of t accumulates into it.
+            // S first, and the softmax of t + 1 runs while P V of t is still in flight; O is
+            // rescaled (by the softmax of t) while S of t + 1 runs, just before P V of t adds
+            // to it. The last tile is peeled off: with "is there a next tile" tests around the
+            // S issue and its wait, ptxas cannot tell which group a wait retires and
+            // serializes every wgmma (its note C7514).
             for (int t = 0; t + 1 < n_tiles; ++t) {
                 sm90::fence_operand(acc_o);
                 c.begin_turn();
@@ -285,12 +297,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
                 c.issue_pv(acc_o, p_frag, t);
                 c.end_turn(false);
                 sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
-                sm90::fence_operand(acc_s);
-                sm90::mbarrier_arrive(bar.k_empty(ring.stage(t + 1, STAGES)));
-                c.softmax_tile(acc_s, t + 1, softmax, correction);
-                sm90::wgmma_wait<0>();
-                sm90::fence_operand(acc_o);
-                sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
+                c.take_s(acc_s, t + 1, softmax, correction);
+                c.finish_pv(acc_o, t);
                 pack_p<T, BC>(acc_s, p_frag);
             }
             sm90::fence_operand(acc_o);
@@ -298,35 +306,21 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
             rescale_rows(acc_o, correction);
             c.issue_pv(acc_o, p_frag, n_tiles - 1);
             c.end_turn(true);
-            sm90::wgmma_wait<0>();
-            sm90::fence_operand(acc_o);
-            sm90::mbarrier_arrive(bar.v_empty(ring.stage(n_tiles - 1, STAGES)));
-        } else
-        for (int t = 0; t < n_tiles; ++t) {
-            const bool more = t + 1 < n_tiles;
-            sm90::fence_operand(acc_o);
-            c.begin_turn();
-            if (OVERLAP && more) c.issue_s(acc_s, t + 1);
-            c.issue_pv(acc_o, p_frag, t);
-            if (!OVERLAP && more) c.issue_s(acc_s, t + 1);
-            c.end_turn(!more);
-            if (OVERLAP && more) {
-                sm90::wgmma_wait<1>();  // S of t + 1 is done; P V of t may still run
-                sm90::fence_operand(acc_s);
-                sm90::mbarrier_arrive(bar.k_empty(ring.stage(t + 1, STAGES)));
-                c.softmax_tile(acc_s, t + 1, softmax, correction);
-            }
-            sm90::wgmma_wait<0>();
-            sm90::fence_operand(acc_o);
-            sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
-            if (more) {  // P V of t has read p_frag and written O: both are free now
-                if (!OVERLAP) {
-                    sm90::fence_operand(acc_s);
-                    sm90::mbarrier_arrive(bar.k_empty(ring.stage(t + 1, STAGES)));
-                    c.softmax_tile(acc_s, t + 1, softmax, correction);
+            c.finish_pv(acc_o, n_tiles - 1);
+        } else {
+            for (int t = 0; t < n_tiles; ++t) {
+                const bool more = t + 1 < n_tiles;
+                sm90::fence_operand(acc_o);
+                c.begin_turn();
+                c.issue_pv(acc_o, p_frag, t);
+                if (more) c.issue_s(acc_s, t + 1);
+                c.end_turn(!more);
+                c.finish_pv(acc_o, t);  // and S of t + 1, committed after it
+                if (more) {  // P V of t has read p_frag and written O: both are free now
+                    c.take_s(acc_s, t + 1, softmax, correction);
+                    rescale_rows(acc_o, correction);
+                    pack_p<T, BC>(acc_s, p_frag);
                 }
-                rescale_rows(acc_o, correction);
-                pack_p<T, BC>(acc_s, p_frag);
             }
         }
         sm90::mbarrier_arrive(bar.q_empty());  // every S of this item is done: Q may be replaced
