@@ -35,3 +35,20 @@ def test_encode_refuses_what_the_copy_engine_cannot_take():
 
 def test_empty_maps_fill_the_parameter():
     assert len(bytes(_tma.empty_maps())) == _tma.PARAM_BYTES == 448
+
+
+def test_one_slice_is_mapped_whatever_its_stride(monkeypatch):
+    """Batch 1 with one k/v head has slice stride 1 (slice_stride's answer when nothing is
+    stepped): the map gets a stride the copy engine takes instead of falling back to cp.async
+    (the sanitizer's one-case-a-variant run, batch 1, never reached the TMA forms before)."""
+    calls = []
+
+    def fake_encoder(out, dtype, rank, ptr, dims, strides, *rest):
+        calls.append((tuple(dims), tuple(strides)))
+        return 0
+
+    monkeypatch.setattr(_tma, "_encoder", lambda: fake_encoder)
+    assert _tma.encode(256, 64, 77, 128, 1, 1, 128) is not None
+    (dims, strides), = calls
+    assert dims == (64, 77, 1) and strides[0] == 256 and strides[1] % 16 == 0 and strides[1] >= 77 * 256
+    assert _tma.encode(256, 64, 77, 128, 1, 2, 128) is None  # two slices 1 element apart: refused
