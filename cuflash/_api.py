@@ -346,8 +346,10 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
-# id(kernel) -> the dynamic shared memory it has been allowed (kernels live as long as the
-# process, in _loader's cache): reading the attribute back is a driver call on every launch.
+# id(kernel) -> (kernel, the dynamic shared memory it has been allowed): reading the attribute
+# back is a driver call on every launch. The entry holds the kernel, so that its id cannot be
+# reused by another kernel while the entry stands (a test that swaps _loader's cache out drops
+# the kernels it built).
 _smem_allowed: dict = {}
 
 
@@ -356,10 +358,11 @@ def _launch(variant, grid_x, num_batch, args, d, dv, grid=None):
     stream; ``grid``: a persistent kernel's own grid instead."""
     kernel = _loader.get_kernel(variant)
     smem = variant.smem_bytes(d, dv)
-    if smem > 48 * 1024 and _smem_allowed.get(id(kernel), 0) < smem:
+    allowed = _smem_allowed.get(id(kernel))
+    if smem > 48 * 1024 and (allowed is None or allowed[1] < smem):
         if kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
-        _smem_allowed[id(kernel)] = smem
+        _smem_allowed[id(kernel)] = (kernel, smem)
     if grid is None:
         grid_y = min(num_batch, 65535)  # y is limited to 65535: the rest goes to z
         if -(-num_batch // grid_y) > 65535:

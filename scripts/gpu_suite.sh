@@ -19,9 +19,11 @@ for stage in $stages; do
     warm)  # build every variant for this GPU in parallel, into CuPy's disk cache
       summary+=("warm: $(python3 -m cuflash.compile_check --warm 2>&1 | tail -n 1)")
       ;;
-    tests)
-      python3 -m pytest tests -q -rs -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests.log" >/dev/null
+    tests)  # -v: every result line names its test as it lands, so a cut-off run still says which failed
+      python3 -m pytest tests -v -rs -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests.log" >/dev/null
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+      failed=$(grep -E " (FAILED|ERROR) tests/" "$OUT/tests.log" | sed 's/^.* \(FAILED\|ERROR\) /\1 /' | sort -u)
+      [ -n "$failed" ] && summary+=("$failed")
       ;;
     bench)  # cuflash-bench: speed, memory, IO and block-sparse tables
       python3 -m bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" 2>"$OUT/bench.err" | tee "$OUT/bench.md"

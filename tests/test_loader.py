@@ -29,3 +29,38 @@ def test_cache_key_changes_when_a_header_changes(tmp_path, monkeypatch):
 def test_hopper_gets_the_arch_specific_target():
     assert _loader.arch_options("90") == ("-arch=sm_90a",)
     assert _loader.arch_options("80") == ()
+
+
+class _FakeKernel:
+    """Stands in for a cupy.RawKernel: the shared-memory attribute and the launches."""
+
+    def __init__(self):
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+        self.launches = []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert shared_mem <= self.max_dynamic_shared_size_bytes, "launch above the kernel's allowance"
+        self.launches.append(shared_mem)
+
+
+class _FakeVariant:
+    threads = 128
+
+    def smem_bytes(self, d, dv):
+        return 200 * 1024
+
+
+def test_every_kernel_object_gets_its_shared_memory_allowance(monkeypatch):
+    """_launch remembers which kernels it has raised the allowance of (reading it back is a
+    driver call); a kernel built after another was dropped (a test swapping the loader's cache
+    out) must not inherit the dropped one's entry through a reused id()."""
+    from cuflash import _api
+
+    monkeypatch.setattr(_api, "_smem_allowed", {})
+    for _ in range(20):  # fresh objects: CPython hands a freed object's id to the next one
+        kernel = _FakeKernel()
+        monkeypatch.setattr(_loader, "get_kernel", lambda variant, device=None: kernel)
+        _api._launch(_FakeVariant(), 1, 1, (), 64, 64)
+        _api._launch(_FakeVariant(), 1, 1, (), 64, 64)
+        assert kernel.launches == [200 * 1024] * 2
+        del kernel
