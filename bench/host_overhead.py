@@ -1,17 +1,46 @@
-"""Host time of one small attention call (1 x 1 x 128 x 64 bf16): cuflash on torch and CuPy inputs,
-the torch adapter, and SDPA, forward and forward + backward. Results: bench/results/probes/host-*.txt."""
-import time, torch, cupy, cuflash, cuflash.torch
-F = torch.nn.functional.scaled_dot_product_attention
-q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
-qc = cupy.from_dlpack(q.clone())
-qg = q.clone().requires_grad_()
-cases = (("cuflash.attention(torch)", lambda: cuflash.attention(q, q, q)),
-         ("cuflash.attention(cupy)", lambda: cuflash.attention(qc, qc, qc)),
-         ("cuflash.torch.attention", lambda: cuflash.torch.attention(q, q, q)),
-         ("cuflash.torch fwd+bwd", lambda: cuflash.torch.attention(qg, qg, qg).sum().backward()),
-         ("sdpa", lambda: F(q, q, q)), ("sdpa fwd+bwd", lambda: F(qg, qg, qg).sum().backward()))
-for name, fn in cases:
-    for _ in range(30): fn()
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(300): fn()
-    torch.cuda.synchronize(); print(f"host {name}: {(time.perf_counter() - t) / 300 * 1e6:.1f} us/call", flush=True)
+"""Host time of one small attention call (1 x 1 x 128 x 64, bf16), where the GPU work is
+negligible: cuflash on torch and on CuPy inputs, the torch adapter, and SDPA, forward alone
+and forward + backward. Results: bench/results/probes/host-*.txt.
+
+    python bench/host_overhead.py
+"""
+
+import time
+
+import cupy
+import torch
+
+import cuflash
+import cuflash.torch
+
+
+def per_call_us(fn, calls=300):
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    q_cupy = cupy.from_dlpack(q.clone())
+    q_grad = q.clone().requires_grad_()
+    cases = (
+        ("cuflash.attention(torch)", lambda: cuflash.attention(q, q, q)),
+        ("cuflash.attention(cupy)", lambda: cuflash.attention(q_cupy, q_cupy, q_cupy)),
+        ("cuflash.torch.attention", lambda: cuflash.torch.attention(q, q, q)),
+        ("cuflash.torch fwd+bwd", lambda: cuflash.torch.attention(q_grad, q_grad, q_grad).sum().backward()),
+        ("sdpa", lambda: sdpa(q, q, q)),
+        ("sdpa fwd+bwd", lambda: sdpa(q_grad, q_grad, q_grad).sum().backward()),
+    )
+    for name, fn in cases:
+        print(f"host {name}: {per_call_us(fn):.1f} us/call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
