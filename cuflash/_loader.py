@@ -88,7 +88,9 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 # ptxas's wgmma performance notes, e.g. "(C7514) Potential Performance Loss: wgmma.mma_async
 # instructions are serialized due to ..." or "(C7519) warpgroup.arrive is injected ...".
 _PTXAS_WGMMA_NOTE = re.compile(r"\((C75\d\d)\).*?function '(\S+?)'")
-SERIALIZED_WGMMA = "C7514"
+# The notes that say every wgmma of the kernel is serialized: an accumulator read in flight
+# (C7514), a compiler-inserted warpgroup.arrive on a divergent path (C7520).
+SERIALIZED_WGMMA = ("C7514", "C7520")
 
 
 def compile_offline(source: str, name_expressions, arch: str):
