@@ -199,15 +199,20 @@ def sm90_tiles_override(tiles_by_head_dim):
 
 
 @contextlib.contextmanager
-def wgmma_forward(enabled: bool):
-    """Turn the wgmma forward on or off (on by default where the GPU has it), e.g. to compare
-    it with the mma.sync kernel on the same H100/H200 in one process."""
-    saved = _wgmma_forward[0]
-    _wgmma_forward[0] = bool(enabled)
+def _switched(switch: list, enabled: bool):
+    """Temporarily set a module switch (a one-element list)."""
+    saved = switch[0]
+    switch[0] = bool(enabled)
     try:
         yield
     finally:
-        _wgmma_forward[0] = saved
+        switch[0] = saved
+
+
+def wgmma_forward(enabled: bool):
+    """Turn the wgmma forward on or off (on by default where the GPU has it), e.g. to compare
+    it with the mma.sync kernel on the same H100/H200 in one process."""
+    return _switched(_wgmma_forward, enabled)
 
 
 # (block_rows, block_cols, warps, min_blocks) per head-dim bucket for the 16-bit forward.
@@ -566,15 +571,9 @@ class HopperBackward(_Launch):
 _wgmma_backward = [os.environ.get("CUFLASH_WGMMA_BWD", "1") != "0"]
 
 
-@contextlib.contextmanager
 def wgmma_backward(enabled: bool):
     """Turn the wgmma backward key pass on or off (on by default where the GPU has wgmma)."""
-    saved = _wgmma_backward[0]
-    _wgmma_backward[0] = bool(enabled)
-    try:
-        yield
-    finally:
-        _wgmma_backward[0] = saved
+    return _switched(_wgmma_backward, enabled)
 
 
 class BackwardPlan(typing.NamedTuple):
