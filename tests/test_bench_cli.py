@@ -250,7 +250,7 @@ def test_defaults():
     assert not args.io and args.json is None and args.csv is None and args.plot is None
     assert args.repeats is None and args.warmup == 3 and args.tiles == []
     assert args.memory_seqlens == [2048, 4096, 8192, 16384, 32768, 65536]
-    assert args.sparse_seqlen == 8192 and args.tablefmt == "github"
+    assert args.sparse_seqlen == [8192] and args.tablefmt == "github"
 
 
 def test_every_option(tmp_path):
@@ -265,7 +265,7 @@ def test_every_option(tmp_path):
     assert args.seqlens == [1024, 4096] and args.hdims == [128, 64]
     assert args.dtypes == ["float16", "bfloat16"] and args.causal_modes == [True]
     assert args.modes == ["fwd", "fwdbwd"] and args.peers == ["sdpa_cudnn", "flex"]
-    assert args.io and args.memory_seqlens == [1024, 8192] and args.sparse_seqlen == 4096
+    assert args.io and args.memory_seqlens == [1024, 8192] and args.sparse_seqlen == [4096]
     assert args.repeats == 7 and args.warmup == 2 and args.tiles == [(128, 64, 4, 1)]
     assert args.json.endswith("a.json") and args.csv.endswith("a.csv")
     assert args.tablefmt == "plain"
@@ -641,6 +641,29 @@ def test_sparse_table_layout():
     assert sparse.cuflash_failures(_sparse_records()) == []
     no_flex = cli.parse_args(["--modes", "fwd", "--peers", "standard"])
     assert "flex ms" not in sparse.format_sparse(_sparse_records(), no_flex, common.Footnotes())
+
+
+def test_sparse_table_per_length():
+    """--sparse-seqlen 16384 4096: a table per mode and length, shortest first, each with its
+    own dense row for the speedups."""
+    args = cli.parse_args(["--modes", "fwd", "bwd", "--sparse-seqlen", "16384", "4096"])
+    assert args.sparse_seqlen == [16384, 4096]
+    assert sparse.count_steps(args) == 2 * 2 * 7 * 2  # 2 modes x 2 lengths x 7 patterns x 2 backends
+    records = []
+    for mode in ("bwd", "fwd"):
+        for seqlen, dense_ms in ((16384, 8.0), (4096, 2.0)):
+            for record in _sparse_records():
+                record = dict(record, mode=mode, seqlen=seqlen, backends=dict(record["backends"]))
+                if record["kind"] == "dense":
+                    record["backends"]["cuflash"] = {"ms": dense_ms, "status": "ok", "error": None}
+                records.append(record)
+    text = sparse.format_sparse(records, args, common.Footnotes())
+    titles = [line for line in text.splitlines() if line.startswith("block-sparse")]
+    assert [t.split(",")[0:2] for t in titles] == [
+        ["block-sparse forward", " seq 4096"], ["block-sparse forward", " seq 16384"],
+        ["block-sparse backward", " seq 4096"], ["block-sparse backward", " seq 16384"]]
+    assert "2.000" in text and "8.000" in text
+    assert "0.62x" in text and "2.50x" in text  # cuflash / flex, dense: 5 / 8 ms at 16k, 5 / 2 ms at 4096
 
 
 # ---- raw numbers -------------------------------------------------------------------------

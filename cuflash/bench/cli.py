@@ -117,8 +117,8 @@ def build_parser(prog: str = common.PROG) -> argparse.ArgumentParser:
     parser.add_argument("--memory-seqlens", type=positive_int, nargs="+",
                         default=list(memory.DEFAULT_SEQLENS), metavar="N",
                         help="memory: sequence lengths, batch 1 (default: %(default)s)")
-    parser.add_argument("--sparse-seqlen", type=sparse_seqlen, default=sparse.DEFAULT_SEQLEN,
-                        metavar="N", help="sparse: sequence length (default: %(default)s)")
+    parser.add_argument("--sparse-seqlen", type=sparse_seqlen, nargs="+", default=[sparse.DEFAULT_SEQLEN],
+                        metavar="N", help="sparse: sequence lengths, a table each (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timed calls per measurement, the median reported (default: "
                              f"adaptive, {common.AUTO_MIN_REPEATS} to {common.AUTO_MAX_REPEATS}"

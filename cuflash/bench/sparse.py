@@ -2,9 +2,9 @@
 time of block-sparse cuflash and its speedup over dense cuflash, with torch FlexAttention on
 the same block mask as the peer column (when torch imports).
 
-Shape: the speed table's harness (16k tokens per batch, hidden 2048) at one sequence length
-(``--sparse-seqlen``, default 8192) and the first head dim of ``--hdims``, not causal, in each
-mode of ``--modes``. Blocks are 128 x 128 (the masks' default), so the grid is seqlen / 128
+Shape: the speed table's harness (16k tokens per batch, hidden 2048) at each sequence length
+of ``--sparse-seqlen`` (default 8192) and the first head dim of ``--hdims``, not causal, in each
+mode of ``--modes``; one table per mode and length. Blocks are 128 x 128 (the masks' default), so the grid is seqlen / 128
 blocks square. Patterns (their parameters scaled with the grid, n blocks a side, s =
 isqrt(n)): dense (plain ``cuflash.attention``), butterfly(n), fixed(n, s, 1), strided(n, s),
 local(n, 2), causal(n) and random(n, 0.1, seed 0).
@@ -96,8 +96,8 @@ def is_missing_block_mask(exc: BaseException) -> bool:
     return isinstance(exc, TypeError) and "block_mask" in str(exc)
 
 
-def sparse_shape(args) -> tuple:
-    return common.problem_shape(args.sparse_seqlen, args.hdims[0])
+def sparse_shape(args, seqlen: int) -> tuple:
+    return common.problem_shape(seqlen, args.hdims[0])
 
 
 def sparse_names(args) -> list:
@@ -105,8 +105,8 @@ def sparse_names(args) -> list:
 
 
 def count_steps(args) -> int:
-    n_blocks = max(1, args.sparse_seqlen // 128)
-    return len(args.modes) * (1 + len(pattern_specs(n_blocks))) * len(sparse_names(args))
+    patterns = sum(1 + len(pattern_specs(max(1, seq // 128))) for seq in args.sparse_seqlen)
+    return len(args.modes) * patterns * len(sparse_names(args))
 
 
 # ---- measurement -------------------------------------------------------------------------
@@ -220,12 +220,19 @@ def flex_case(env, mode: str, block_mask):
 
 
 def run_sparse(env, args, progress=None) -> list:
-    """Every pattern in every mode; returns the records."""
+    """Every pattern in every mode at every length; returns the records."""
+    progress = common.as_progress(progress)
+    records = []
+    for seqlen in args.sparse_seqlen:
+        records += _run_length(env, args, seqlen, progress)
+    return records
+
+
+def _run_length(env, args, seqlen: int, progress) -> list:
     import numpy as np
 
-    progress = common.as_progress(progress)
     masks, masks_reason = load_masks()
-    shape = sparse_shape(args)
+    shape = sparse_shape(args, seqlen)
     batch, heads, seq, hdim = shape
     n_blocks = max(1, seq // 128)
     patterns = (build_patterns(n_blocks, masks) if masks is not None
@@ -247,7 +254,7 @@ def run_sparse(env, args, progress=None) -> list:
                                 if pattern.density is not None else None),
                       "masks_reason": masks_reason, "backends": {}}
             for name in names:
-                progress.start(f"sparse {mode} {pattern.name}: {name}")
+                progress.start(f"sparse {mode} {seq} {pattern.name}: {name}")
                 if pattern.error is not None:
                     entry = _entry(status="no mask", error=f"{pattern.name}: {pattern.error}")
                 elif name == "cuflash":
@@ -268,7 +275,7 @@ def run_sparse(env, args, progress=None) -> list:
                         entry = _entry(status="error", error=common.first_line(exc))
                 record["backends"][name] = entry
                 progress.advance()
-                progress.note(f"sparse {mode} {pattern.name:>18} {name:>8}: " + (
+                progress.note(f"sparse {mode} {seq} {pattern.name:>18} {name:>8}: " + (
                     f"{entry['ms']:.3f} ms" if entry["ms"] is not None else
                     f"{entry['status']}: {entry['error']}"))
                 env.free_memory()
@@ -282,7 +289,7 @@ def run_sparse(env, args, progress=None) -> list:
 def cuflash_failures(records: list) -> list:
     """cuflash measurements that failed (not: a missing feature, a mask that cuflash.masks
     could not build)."""
-    return [(f"sparse {r['mode']} {r['pattern']}: cuflash", r["backends"]["cuflash"]["error"])
+    return [(f"sparse {r['mode']} {r['seqlen']} {r['pattern']}: cuflash", r["backends"]["cuflash"]["error"])
             for r in records
             if r["backends"].get("cuflash", {}).get("status") in ("error", "oom")]
 
@@ -320,10 +327,9 @@ def format_sparse(records: list, args, notes: Footnotes) -> str:
 
     names = sparse_names(args)
     blocks = []
-    for mode in args.modes:
-        rows_of_mode = [r for r in records if r["mode"] == mode]
-        if not rows_of_mode:
-            continue
+    groups = dict.fromkeys((r["mode"], r["seqlen"]) for r in records)  # in run order
+    for mode, seqlen in sorted(groups, key=lambda g: (args.modes.index(g[0]) if g[0] in args.modes else 99, g[1])):
+        rows_of_mode = [r for r in records if r["mode"] == mode and r["seqlen"] == seqlen]
         dense = next((r for r in rows_of_mode if r["kind"] == "dense"), None)
         headers = ["pattern", "density", "cuflash ms", "cuflash speedup over dense"]
         if PEER in names:
