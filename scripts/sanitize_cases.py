@@ -1,7 +1,8 @@
 """The case matrix scripts/sanitize.sh runs under compute-sanitizer: every kernel variant the
 dispatcher can pick, at small sizes.
 
-    python scripts/sanitize_cases.py [--subset all|one] [--seed N]
+    python scripts/sanitize_cases.py [--subset all|one] [--seed N] [--shard K/N] [--launched FILE]
+    python scripts/sanitize_cases.py --coverage FILE [FILE ...]
 
 Per case: the forward, then the backward (preprocess, key passes, dQ) with atomic and with
 deterministic dQ. Inputs are strided views (a (B, N, H, d) buffer seen as (B, H, N, d)) with
@@ -141,13 +142,46 @@ def _form(form, d):
     return contextlib.nullcontext()
 
 
+def shard(text: str) -> tuple:
+    """'K/N' -> (K, N): the K-th of N interleaved slices of the run list."""
+    k, _, n = text.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shard is K/N, e.g. 0/4; got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"a shard K/N needs 0 <= K < N; got {text!r}")
+    return k, n
+
+
+def coverage_line(known: set, launched: set) -> str:
+    missing = sorted(known - launched)
+    return (f"covered {len(known & launched)} of {len(known)} dispatcher variants"
+            + (f", {len(launched - known)} more not in _config.all_variants()" if launched - known else "")
+            + (f"; missing: {', '.join(missing)}" if missing else ""))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subset", choices=("all", "one"), default="all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard", type=shard, default=(0, 1), metavar="K/N",
+                        help="run every N-th case from the K-th (shards run side by side)")
+    parser.add_argument("--launched", metavar="FILE", help="write the variant keys launched to FILE")
+    parser.add_argument("--coverage", nargs="+", metavar="FILE",
+                        help="only merge --launched files of several shards into one coverage line")
     args = parser.parse_args(argv)
 
     import cupy
+
+    arch = cupy.cuda.Device().compute_capability
+    known = {v.key for v in _config.variants_for(arch)}
+    if args.coverage:
+        launched = set()
+        for path in args.coverage:
+            launched |= set(Path(path).read_text().split())
+        print(coverage_line(known, launched))
+        return 0
 
     cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: nothing hides an overrun
     cupy.cuda.set_pinned_memory_allocator(None)
@@ -161,7 +195,6 @@ def main(argv=None) -> int:
     _loader.get_kernel = recording_get_kernel
     rng = np.random.default_rng(args.seed)
     failures = 0
-    arch = cupy.cuda.Device().compute_capability
     case_list = cases(args.subset)
     runs = [(case, "") for case in case_list]
     if _config.has_wgmma(arch):
@@ -170,22 +203,21 @@ def main(argv=None) -> int:
         # (inputs TMA cannot map), the one-item-a-CTA grid (long queries). Run the cases that
         # pick the wgmma kernels once more in each.
         hopper = [case for case in case_list
-                  if case.dtype != "float32" and case.d == case.dv and case.d in (64, 128)]
+                  if case.dtype != "float32" and case.d == case.dv and case.d in _config._SM90_FORWARD_TILES]
         runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA", "cp.async, one item a CTA",
                                          "wgmma backward off")
                  for case in hopper]
-    for case, form in runs:
+    k, n = args.shard
+    for case, form in runs[k::n]:
         start = time.perf_counter()
         with _form(form, case.d):
             finite = run_case(case, rng, args.subset)
         failures += not finite
         label = f" ({form})" if form else ""
         print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
-    known = {v.key for v in _config.variants_for(arch)}
-    missing = sorted(known - launched)
-    print(f"covered {len(known & launched)} of {len(known)} dispatcher variants"
-          + (f", {len(launched - known)} more not in _config.all_variants()" if launched - known else "")
-          + (f"; missing: {', '.join(missing)}" if missing else ""))
+    if args.launched:
+        Path(args.launched).write_text("".join(key + "\n" for key in sorted(launched)))
+    print(("" if n == 1 else f"shard {k}/{n}: ") + coverage_line(known, launched))
     return 3 if failures else 0  # 1 is compute-sanitizer's --error-exitcode
 
 

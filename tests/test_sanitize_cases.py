@@ -1,0 +1,32 @@
+"""scripts/sanitize_cases.py without a GPU: shard arguments, and the coverage line merged from
+the shards' launched-variant lists."""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "sanitize_cases.py"
+
+
+@pytest.fixture(scope="module")
+def cases_module():
+    spec = importlib.util.spec_from_file_location("sanitize_cases", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shard_argument(cases_module):
+    assert cases_module.shard("0/4") == (0, 4) and cases_module.shard("3/4") == (3, 4)
+    for bad in ("4/4", "-1/2", "1", "a/b", "1/0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cases_module.shard(bad)
+
+
+def test_coverage_line(cases_module):
+    known = {"a", "b", "c"}
+    assert cases_module.coverage_line(known, {"a", "b", "c"}) == "covered 3 of 3 dispatcher variants"
+    line = cases_module.coverage_line(known, {"a", "x"})
+    assert line.startswith("covered 1 of 3") and "1 more not in" in line and line.endswith("missing: b, c")
