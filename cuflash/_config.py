@@ -185,8 +185,9 @@ class HopperForward(_Launch):
 # persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
 # items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
 # a CTA's ring fills and drains in a handful of key tiles; from 4096 the one-item-a-CTA grid
-# was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k, as its items
-# are not ordered longest first).
+# was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k: its fixed
+# round-robin of items, longest query tiles first, balances worse than the hardware handing a
+# free SM the next CTA).
 _SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
