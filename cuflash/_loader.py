@@ -93,6 +93,11 @@ _PTXAS_WGMMA_NOTE = re.compile(r"\((C75\d\d)\).*?function '(\S+?)'")
 SERIALIZED_WGMMA = ("C7514", "C7520")
 
 
+def serializes_wgmma(report: dict) -> bool:
+    """Whether a compile_offline report carries a note that ptxas serialized every wgmma."""
+    return any(code in SERIALIZED_WGMMA for code in report["wgmma_notes"])
+
+
 def compile_offline(source: str, name_expressions, arch: str):
     """Compile variants of one source for ``arch`` (e.g. 'sm_80', 'sm_90a') with NVRTC alone.
 

@@ -115,13 +115,13 @@ def main(argv=None) -> int:
                                    "wgmma notes")))
     spilled = [row for row in table if row[4] or row[5]]
     over = [row for row in spilled if row[4] > row[6]]
-    serialized = [row for row in table if set(_loader.SERIALIZED_WGMMA) & set(row[7].split())]
+    serialized = [(v.key, arch, " ".join(r["wgmma_notes"])) for v, arch, r in rows if _loader.serializes_wgmma(r)]
     print(f"\n{len(table)} variant builds, {len(spilled)} with spills, {len(over)} over their budget "
           f"({args.spill_budget} B unless the variant documents more), {len(serialized)} with serialized wgmma")
     for row in spilled:
         print(f"SPILL: {row[0]} on {row[1]}: {row[4]} B stored, {row[5]} B loaded", file=sys.stderr)
-    for row in serialized:
-        print(f"SERIALIZED WGMMA (ptxas {row[7]}): {row[0]} on {row[1]}", file=sys.stderr)
+    for key, arch, notes in serialized:
+        print(f"SERIALIZED WGMMA (ptxas {notes}): {key} on {arch}", file=sys.stderr)
     return 1 if over or serialized else 0
 
 

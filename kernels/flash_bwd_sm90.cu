@@ -1,6 +1,6 @@
 // flash_bwd_sm90.cu: the backward pass's key-tile kernel on Hopper's warpgroup matrix multiply
-// (wgmma, sm_90a) for float16 / bfloat16 with head dim 64 or 128. DRAFT: written without a
-// GPU; it replaces flash_bwd_kernel only where cuflash/_config.py says so.
+// (wgmma, sm_90a) for float16 / bfloat16 with head dim 64 or 128; it replaces flash_bwd_kernel
+// where cuflash/_config.py says so (the default on Hopper).
 //
 // One CTA owns 128 keys and walks the query tiles of 64 rows that see them; three warpgroups:
 //   producer     warpgroup 0 copies K and V once, then per query tile Q, dO and the row

@@ -1,4 +1,4 @@
-"""Shared test fixtures: GPU detection and output poisoning."""
+"""Shared test fixtures: GPU (and wgmma) detection and output poisoning."""
 
 import numpy as np
 import pytest
@@ -15,6 +15,20 @@ def _gpu_available() -> bool:
 
 HAS_GPU = _gpu_available()
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+def _wgmma_available() -> bool:
+    if not HAS_GPU:
+        return False
+    import cupy
+
+    from cuflash import _config
+
+    return _config.has_wgmma(cupy.cuda.Device().compute_capability)
+
+
+HAS_WGMMA = _wgmma_available()
+requires_wgmma = pytest.mark.skipif(not HAS_WGMMA, reason="needs compute capability 9.0")
 
 
 @pytest.fixture

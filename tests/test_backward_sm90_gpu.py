@@ -1,25 +1,15 @@
-"""The (draft, opt-in) wgmma backward key pass (kernels/flash_bwd_sm90.cu) on an H100/H200,
-against the float64 reference with the dense tests' error rule. Skipped elsewhere."""
+"""The wgmma backward key pass (kernels/flash_bwd_sm90.cu, the default on Hopper) on an
+H100/H200, against the float64 reference with the dense tests' error rule. Skipped elsewhere."""
 
 import pytest
 
-from conftest import HAS_GPU, requires_gpu
+from conftest import requires_gpu, requires_wgmma
 from cuflash import _config
 from cuflash import masks as M
 from cuflash import reference as ref
 from gpu_util import check_backward, check_forward, random_array, to_device
 
-
-def _has_wgmma():
-    if not HAS_GPU:
-        return False
-    import cupy
-
-    return _config.has_wgmma(cupy.cuda.Device().compute_capability)
-
-
-pytestmark = [requires_gpu, pytest.mark.skipif(not _has_wgmma(), reason="needs compute capability 9.0"),
-              pytest.mark.usefixtures("poisoned_pool")]
+pytestmark = [requires_gpu, requires_wgmma, pytest.mark.usefixtures("poisoned_pool")]
 
 
 def run_checked(q, k, v, do, *, dtype, causal=False, deterministic=False, mask=None, **options):

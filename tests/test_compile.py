@@ -43,7 +43,7 @@ def test_no_variant_serializes_its_wgmmas(reports):
     instruction reads an accumulator in flight: the overlapped forward did so, and ran slower
     than without overlap, until its last tile was peeled off the loop. C7520 (an arrive it
     inserted on a divergent path) serializes them too."""
-    serialized = [(v.key, arch) for v, arch, r in reports if set(_loader.SERIALIZED_WGMMA) & set(r["wgmma_notes"])]
+    serialized = [(v.key, arch) for v, arch, r in reports if _loader.serializes_wgmma(r)]
     assert not serialized, serialized
 
 

@@ -10,23 +10,13 @@ windows, and the same inputs through the mma.sync kernel for comparison. Skipped
 import numpy as np
 import pytest
 
-from conftest import HAS_GPU, requires_gpu
+from conftest import requires_gpu, requires_wgmma
 from cuflash import _config
 from cuflash import masks as M
 from cuflash import reference as ref
 from gpu_util import check_forward, random_array, to_device
 
-
-def _has_wgmma():
-    if not HAS_GPU:
-        return False
-    import cupy
-
-    return _config.has_wgmma(cupy.cuda.Device().compute_capability)
-
-
-pytestmark = [requires_gpu, pytest.mark.skipif(not _has_wgmma(), reason="needs compute capability 9.0"),
-              pytest.mark.usefixtures("poisoned_pool")]
+pytestmark = [requires_gpu, requires_wgmma, pytest.mark.usefixtures("poisoned_pool")]
 
 DTYPES16 = ("float16", "bfloat16")
 
