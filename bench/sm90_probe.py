@@ -1,5 +1,5 @@
 """Tuning probe for the wgmma forward: forward TFLOP/s of (block_cols, stages, overlap,
-pingpong, tma, persistent) settings
+pingpong, tma, persistent[, exp emulation]) settings
 of kernels/flash_fwd_sm90.cu next to the mma.sync kernel and SDPA's flash and cuDNN backends,
 in one process on one GPU (bf16, 16k tokens, hidden 2048, as cuflash-bench).
 
@@ -49,7 +49,9 @@ def main():
                 flops = 4 * seq * seq * hd * heads * batch / (2 if causal else 1)
                 row = []
                 for bc, stages, *flags in configs:
-                    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags))}):
+                    emulation = flags[4:5] or [0]  # a 7th number: exp emulation (every n-th tile)
+                    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags[:4]))}), \
+                            _config.sm90_exp_emulation_override({hd: emulation[0]}):
                         row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))
                 with _config.wgmma_forward(False):
                     row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))

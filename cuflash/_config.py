@@ -141,6 +141,7 @@ class HopperForward(_Launch):
     # overlap this one's epilogue
     causal: bool
     sparse: bool = False
+    exp_emulation: int = 0  # > 0: every n-th accumulator tile's exponentials on the FMA pipe
 
     source = "flash_fwd_sm90.cu"
     block_rows = 128
@@ -163,7 +164,7 @@ class HopperForward(_Launch):
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
             f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
+            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}>"
         )
 
     @property
@@ -172,6 +173,7 @@ class HopperForward(_Launch):
             f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
             f"_p{int(self.pingpong)}_t{int(self.tma)}_r{int(self.persistent)}"
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+            + (f"_e{self.exp_emulation}" if self.exp_emulation else "")
         )
 
 
@@ -191,6 +193,16 @@ class HopperForward(_Launch):
 _SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
+
+
+# Per head dim: 0, or n > 0 to compute the exponentials of every n-th 8-key accumulator tile
+# with poly_exp2 (kernels/common.cuh) on the FMA pipe instead of the SFU. Not yet measured.
+_SM90_EXP_EMULATION = {64: 0, 128: 0}
+
+
+def sm90_exp_emulation_override(by_head_dim):
+    """Temporarily replace _SM90_EXP_EMULATION entries {head_dim: n} (tuning runs)."""
+    return _table_override(_SM90_EXP_EMULATION, by_head_dim)
 
 
 def sm90_tiles_override(tiles_by_head_dim):
@@ -244,7 +256,8 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
         *schedule, persistent = _SM90_FORWARD_TILES[d]
         if not isinstance(persistent, bool):
             persistent = nq is not None and -(-nq // HopperForward.block_rows) <= persistent
-        return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse))
+        return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse),
+                             exp_emulation=_SM90_EXP_EMULATION.get(d, 0))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.

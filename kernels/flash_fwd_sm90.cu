@@ -102,7 +102,7 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
 // masked and turned into P.
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE>
+          bool SPARSE, int EXP_EMU>
 struct Sm90Consumer {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     const FwdParams& p;
@@ -209,7 +209,12 @@ struct Sm90Consumer {
         for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                acc_s[n][e] = fast_exp2((acc_s[n][e] - base_s[e / 2]) * scale_log2);
+                const float x = (acc_s[n][e] - base_s[e / 2]) * scale_log2;
+                // EXP_EMU > 0: every EXP_EMU-th accumulator tile on the FMA pipe (common.cuh)
+                if (EXP_EMU > 0 && n % EXP_EMU == EXP_EMU - 1)
+                    acc_s[n][e] = poly_exp2<PolyExp2Degree<T>::value>(x);
+                else
+                    acc_s[n][e] = fast_exp2(x);
                 softmax.l[e / 2] += acc_s[n][e];
             }
     }
@@ -246,13 +251,13 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
 // gaps).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE>
+          bool SPARSE, int EXP_EMU>
 __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
                                         i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar,
                                         Sm90Ring ring) {
     const int n_tiles = tiles.count;
     const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
-    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar, ring};
+    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE, EXP_EMU> c{p, tiles, band, sQ, sK, sV, bar, ring};
     c.warpgroup = warpgroup;
     c.row0 = 64 * (warpgroup - 1);
     c.lane = ct % 32;
@@ -356,7 +361,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
 }
 
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE>
+          bool SPARSE, int EXP_EMU>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -454,7 +459,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
-            consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE>(
+            consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE, EXP_EMU>(
                 p, tiles, band, w.bidx, q0, tid, sQ, sK, sV, bar, ring);
             if (tiles.count > 0) {
                 ring.first_tile += tiles.count;

@@ -128,3 +128,29 @@ def test_block_sparse(d, block_size, rng):
     for causal in (False, True):
         out = run(q, k, v, causal=causal, block_mask=mask)
         check_forward(out, q, k, v, causal=causal, dtype=dtype, mask=elements)
+
+
+@pytest.mark.parametrize("every", (1, 2, 4))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", DTYPES16)
+def test_exp_emulation(dtype, d, every, rng):
+    """Exponentials on the FMA pipe (poly_exp2) for every `every`-th accumulator tile: within
+    the error rule, rows without keys still o = 0, l = 0, m = -inf (Nq > Nk, causal), and a
+    NaN score still makes its row NaN."""
+    from gpu_util import to_host64
+
+    q = random_array(rng, (2, 3, 700, d), dtype)
+    k, v = (random_array(rng, (2, 3, 500, d), dtype) for _ in range(2))
+    with _config.sm90_exp_emulation_override({d: every}):
+        assert _config.forward_config(dtype, d, d, False, wgmma=True).exp_emulation == every
+        for causal in (False, True):
+            out = run(q, k, v, causal=causal)
+            check_forward(out, q, k, v, causal=causal, dtype=dtype)
+        empty = slice(0, 200)  # causal, Nq - Nk = 200: these rows see no key
+        o, l, m = (to_host64(x) for x in out)
+        assert (o[:, :, empty] == 0).all() and (l[:, :, empty] == 0).all() and np.isneginf(m[:, :, empty]).all()
+        k_nan = k.copy()
+        k_nan[1, 2, 77, 5] = np.nan  # key 77: accumulator tile 9, emulated when every is 1 or 2
+        o = to_host64(run(q, k_nan, v).o)
+        assert np.isnan(o[1, 2]).all() and np.isfinite(np.delete(o, 2, axis=1)).all()
+
