@@ -563,7 +563,7 @@ class HopperBackward(_Launch):
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         hd, br, bc = self.head_dim, self.block_rows, self.block_cols
-        tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + bc * br)
+        tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
         return tiles + self.stages * 3 * br * 4 + 8 * (1 + 2 * self.stages) + 1024
 
     @property

@@ -44,7 +44,7 @@ struct Bwd90SmemLayout {
     static constexpr int q_offset = 2 * kv_bytes;
     static constexpr int do_offset = q_offset + STAGES * q_bytes;
     static constexpr int ds_offset = do_offset + STAGES * q_bytes;
-    static constexpr int stat_offset = ds_offset + ds_bytes;
+    static constexpr int stat_offset = ds_offset + 2 * ds_bytes;  // dS^T double-buffered (by tile parity)
     static constexpr int barrier_offset = stat_offset + STAGES * stat_floats * 4;
     static constexpr int barriers = 1 + 2 * STAGES;  // K/V loaded; per stage, loaded and read
     static constexpr int bytes = barrier_offset + 8 * barriers + 1024;
@@ -89,6 +89,11 @@ __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     using L = Bwd90SmemLayout<HD, STAGES>;
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
+    constexpr bool kDvUnderDs = HD == 64;  // dV's matmul runs while dS^T is formed (below)
+    // dS^T in two buffers, by stage, so the warpgroups need not meet after dQ. At head dim 128 the
+    // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
+    constexpr bool kDoubleDs = HD == 64;
+    static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)L::bytes);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -203,20 +208,27 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             u32 p_frag[4][4];
             pack_frags<T>(acc_s, p_frag);
 
-            // -- dV += P^T dO and dP^T = V dO^T, one group --
+            // -- dP^T = V dO^T and dV += P^T dO. At head dim 64, dV is a second group and dS^T
+            // is formed while it runs (p_frag, its A operand, is only read meanwhile); at 128
+            // that spills (dV in flight pins 64 more registers), so both are waited for at once --
             float acc_dp[8][4];
             sm90::fence_operand(acc_dv);
             sm90::wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
-#pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk)
                 sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
                                       sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+            if constexpr (kDvUnderDs) sm90::wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
             sm90::wgmma_commit();
-            sm90::wgmma_wait<0>();
-            sm90::fence_operand(acc_dv);
+            if constexpr (kDvUnderDs) {
+                sm90::wgmma_wait<1>();  // dP^T is done; dV may still run
+            } else {
+                sm90::wgmma_wait<0>();
+                sm90::fence_operand(acc_dv);
+            }
             sm90::fence_operand(acc_dp);
 
             // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
@@ -236,7 +248,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             // -- dK += dS^T Q --
             u32 ds_frag[4][4];
             pack_frags<T>(acc_dp, ds_frag);
-            if (ATOMIC_DQ) store_ds<T>(sDS, acc_dp, row0, warp, lane);
+            const u32 cDS = kDoubleDs ? sDS + s * L::ds_bytes : sDS;
+            if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
             sm90::fence_operand(acc_dk);
             sm90::wgmma_fence();
 #pragma unroll
@@ -246,7 +259,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 
             if (ATOMIC_DQ) {
                 // -- dQ += scale * dS K over all 128 keys: dS^T of both warpgroups must be in --
-                sm90::wgmma_wait<0>();  // dK first: its fragments' registers go to dQ
+                sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
+                sm90::fence_operand(acc_dv);
                 sm90::fence_operand(acc_dk);
                 sm90::fence_async_shared();
                 sm90::named_barrier_sync<1, 256>();
@@ -257,7 +271,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     // transposed: both MN-major. 64-column block col0 / 64 of K.
 #pragma unroll
                     for (int kk = 0; kk < kBwd90Keys / 16; ++kk)
-                        sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(sDS, kk),
+                        sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk),
                                              sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk),
                                              kk > 0);
                     sm90::wgmma_commit();
@@ -273,8 +287,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                             atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
                     }
                 }
-                // dS^T is read by both warpgroups' dQ matmuls before either writes the next tile's
-                sm90::named_barrier_sync<2, 256>();
+                // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
+                // buffer (STAGES = 2), and this one is written again two tiles on, after the
+                // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
+                // on this buffer has been waited for. Otherwise dS^T is read by both
+                // warpgroups' dQ matmuls before either writes the next tile's.
+                if constexpr (!kDoubleDs) sm90::named_barrier_sync<2, 256>();
             } else {
                 sm90::wgmma_wait<0>();
             }
