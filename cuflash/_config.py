@@ -131,7 +131,7 @@ class HopperForward(_Launch):
     warpgroup fills a ring of ``stages`` K/V buffers, two consumer warpgroups own 64 query rows each."""
 
     dtype: str
-    head_dim: int  # d = dv = head_dim exactly (64 or 128)
+    head_dim: int  # d = dv = head_dim exactly (64, 128 or 256)
     block_cols: int
     stages: int
     overlap: bool  # S of the next tile issued before P V of this one
@@ -147,8 +147,12 @@ class HopperForward(_Launch):
     block_rows = 128
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
-    # bytes); the persistent head-dim-128 forms still spill up to 64 bytes.
-    spill_allowance = 128
+    # bytes); the persistent head-dim-128 forms still spill up to 64 bytes. At 256, where O is
+    # 128 of a consumer's 232 registers, up to 144 (not yet run: the probe decides whether the
+    # head-dim-256 kernel pays its way).
+    @property
+    def spill_allowance(self) -> int:
+        return 160 if self.head_dim == 256 else 128
 
     @property
     def head_dim_v(self) -> int:
@@ -190,14 +194,18 @@ class HopperForward(_Launch):
 # was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k: its fixed
 # round-robin of items, longest query tiles first, balances worse than the hardware handing a
 # free SM the next CTA).
-_SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8)}
+#
+# Head dim 256 (not yet run): 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of
+# shared memory; O is 128 of a consumer thread's 232 registers), no overlap or ping-pong.
+_SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8),
+                       256: (64, 2, False, False, True, 8)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
 # Per head dim: 0, or n > 0 to compute the exponentials of every n-th 8-key accumulator tile
 # with poly_exp2 (kernels/common.cuh) on the FMA pipe instead of the SFU. Not yet measured.
-_SM90_EXP_EMULATION = {64: 0, 128: 0}
+_SM90_EXP_EMULATION = {64: 0, 128: 0, 256: 0}
 
 
 def sm90_exp_emulation_override(by_head_dim):

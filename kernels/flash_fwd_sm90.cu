@@ -1,5 +1,5 @@
 // flash_fwd_sm90.cu: the forward pass on Hopper's warpgroup matrix multiply (wgmma, sm_90a)
-// for float16 / bfloat16 with head dim 64 or 128.
+// for float16 / bfloat16 with head dim 64, 128 or 256.
 //
 // A CTA owns 128 query rows and is three warpgroups with different jobs:
 //   producer     warpgroup 0 copies Q once and then each key tile's K and V into shared
@@ -365,8 +365,11 @@ template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, b
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
-    static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
+    static_assert(HD == 64 || HD == 128 || HD == 256, "wgmma paths for head dims 64, 128 and 256");
     static_assert(BC == 64 || BC == 128, "key tiles of 64 or 128");
+    // At 256, O alone is 128 of a consumer's 232 registers, and Q plus one stage of K and V
+    // 128 KB of shared memory.
+    static_assert(HD != 256 || (BC == 64 && STAGES == 2), "head dim 256: 64-key tiles, 2 stages");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)L::bytes);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;

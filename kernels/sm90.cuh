@@ -32,20 +32,26 @@ __device__ __forceinline__ u32 swizzled_offset(int r, int u) {
 template <int ROWS, int COLS, int NT, typename T>
 __device__ __forceinline__ void load_tile_swizzled(u32 smem, const T* gmem, i64 row_stride, i64 row0,
                                                    i64 nrows, i64 ncols, int tid) {
-    constexpr int UNITS = COLS / 8;
-    constexpr int STEP = NT / UNITS;
-    static_assert(NT % UNITS == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "fixed unit per thread");
-    const int r = tid / UNITS, u = tid % UNITS;
-    const T* src = gmem + (row0 + r) * row_stride + u * 8;
-    u32 dst = smem + swizzled_offset<ROWS>(r, u);
-    const i64 rows_left = nrows - row0 - r;
-    const bool col_ok = u * 8 < ncols;
+    if constexpr (COLS > NT) {  // wider than NT / 8 units: in halves of whole column blocks
+        constexpr int HALF = COLS / 2, HALF_OFFSET = HALF / kSwizzleCols * ROWS * kSwizzleRowBytes;
+        load_tile_swizzled<ROWS, HALF, NT>(smem, gmem, row_stride, row0, nrows, ncols, tid);
+        load_tile_swizzled<ROWS, HALF, NT>(smem + HALF_OFFSET, gmem + HALF, row_stride, row0, nrows, ncols - HALF, tid);
+    } else {
+        constexpr int UNITS = COLS / 8;
+        constexpr int STEP = NT / UNITS;
+        static_assert(NT % UNITS == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "fixed unit per thread");
+        const int r = tid / UNITS, u = tid % UNITS;
+        const T* src = gmem + (row0 + r) * row_stride + u * 8;
+        u32 dst = smem + swizzled_offset<ROWS>(r, u);
+        const i64 rows_left = nrows - row0 - r;
+        const bool col_ok = u * 8 < ncols;
 #pragma unroll 1
-    for (int it = 0; it < ROWS / STEP; ++it) {
-        const bool valid = col_ok && it * STEP < rows_left;
-        cp_async_16(dst, valid ? src : gmem, valid);
-        src += STEP * row_stride;
-        dst += STEP * kSwizzleRowBytes;
+        for (int it = 0; it < ROWS / STEP; ++it) {
+            const bool valid = col_ok && it * STEP < rows_left;
+            cp_async_16(dst, valid ? src : gmem, valid);
+            src += STEP * row_stride;
+            dst += STEP * kSwizzleRowBytes;
+        }
     }
 }
 
@@ -104,12 +110,22 @@ __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
     "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
     "%56, %57, %58, %59, %60, %61, %62, %63}"
 
+#define CUFLASH_REGS128                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, " \
+    "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, " \
+    "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
+    "%120, %121, %122, %123, %124, %125, %126, %127}"
+
 // D (64 x N, fp32, the mma.sync accumulator layout repeated: d[n][e] is row 16*warp + lane/4
 // + 8*(e/2), column 8n + 2*(lane%4) + e%2) {=, +=} A B for one k-step of 16. SS: A and B from
 // shared memory, both K-major. RS: A from registers in the m16n8k16 A-fragment layout (which
 // is how P leaves the softmax), B from shared memory MN-major. `accumulate` = 0 overwrites D.
 // REGS names the accumulators; A0.. name the operands after them (%32.. for N = 64, %64..
-// for N = 128); TRANS is the SS form's "trans-a, trans-b" (1 = MN-major).
+// for N = 128, %128.. for the RS form's N = 256, P V at head dim 256); TRANS is the SS
+// form's "trans-a, trans-b" (1 = MN-major).
 #define CUFLASH_WGMMA_SS_T(N, TYPE, REGS, ACC, A0, A1, A2, TRANS)                           \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " A2 ", 0;\n"                             \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS     \
@@ -160,6 +176,14 @@ __device__ __forceinline__ void wgmma_ss_mn(float (&d)[8][4], unsigned long long
                                                             unsigned long long b_desc, int accumulate) { \
         CUFLASH_WGMMA_RS(128, TYPE, CUFLASH_REGS64, CUFLASH_ACC32(d, 0) COMMA CUFLASH_ACC32(d, 8), \
                          "%64", "%65", "%66", "%67", "%68", "%69");                             \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<TYPE_TAG, 256>(float (&d)[32][4], const u32 (&a)[4], \
+                                                            unsigned long long b_desc, int accumulate) { \
+        CUFLASH_WGMMA_RS(256, TYPE, CUFLASH_REGS128,                                            \
+                         CUFLASH_ACC32(d, 0) COMMA CUFLASH_ACC32(d, 8) COMMA CUFLASH_ACC32(d, 16) \
+                             COMMA CUFLASH_ACC32(d, 24),                                        \
+                         "%128", "%129", "%130", "%131", "%132", "%133");                       \
     }
 
 #define COMMA ,
@@ -171,6 +195,7 @@ CUFLASH_DEFINE_WGMMA(fp16, "f16")
 #undef CUFLASH_WGMMA_RS
 #undef CUFLASH_REGS32
 #undef CUFLASH_REGS64
+#undef CUFLASH_REGS128
 #undef CUFLASH_ACC32
 #undef CUFLASH_ACC8
 

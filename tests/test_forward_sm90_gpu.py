@@ -27,14 +27,14 @@ def run(q, k, v, **kwargs):
     return cuflash.attention(to_device(q), to_device(k), to_device(v), **kwargs)
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("dtype", DTYPES16)
 def test_dispatcher_picks_wgmma(dtype, d):
     for causal in (False, True):
         for sparse in (False, True):
             variant = _config.forward_config(dtype, d, d, causal, sparse=sparse, wgmma=True)
             assert isinstance(variant, _config.HopperForward), variant
-    assert not isinstance(_config.forward_config(dtype, d, 2 * d, False, wgmma=True), _config.HopperForward)
+    assert not isinstance(_config.forward_config(dtype, d, d // 2, False, wgmma=True), _config.HopperForward)
     with _config.wgmma_forward(False):
         assert not isinstance(_config.forward_config(dtype, d, d, False, wgmma=True), _config.HopperForward)
 
@@ -44,7 +44,7 @@ LENGTHS = ((1, 1), (63, 65), (128, 128), (129, 127), (200, 1000), (1000, 200), (
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("dtype", DTYPES16)
 def test_lengths(dtype, d, causal, rng):
     for nq, nk in LENGTHS:
