@@ -40,6 +40,23 @@ def main():
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    # Build every variant the run needs first, in parallel processes (one at a time, inside the
+    # timing loop's warm-up, they took most of a call's time limit).
+    from cuflash import compile_check
+
+    needed = {}
+    for hd in args.hdims:
+        for causal in (False, True):
+            for seq in args.seqlens:
+                for bc, stages, *flags in configs:
+                    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags[:4]))}), \
+                            _config.sm90_exp_emulation_override({hd: (flags[4:5] or [0])[0]}):
+                        variant = _config.forward_config("bfloat16", hd, hd, causal, wgmma=True, nq=seq)
+                    needed[variant.key] = variant
+            mma_sync = _config.forward_config("bfloat16", hd, hd, causal)
+            needed[mma_sync.key] = mma_sync
+    compile_check.warm(variants=needed.values())
+
     print("hdim causal seq | " + " | ".join(f"sm90{c}" for c in configs) + " | mma.sync | sdpa_flash | sdpa_cudnn")
     for hd in args.hdims:
         for causal in (False, True):

@@ -73,19 +73,19 @@ def _current_variants():
     return _config.variants_for(cupy.cuda.Device().compute_capability)
 
 
-def _warm_one(index):
-    variant = _current_variants()[index]
+def _warm_one(variant):
     _loader.get_kernel(variant)
     return variant.key
 
 
-def warm(jobs=None):
-    """Build every variant for the current GPU into CuPy's disk cache; returns the count."""
-    count = len(_current_variants())
+def warm(jobs=None, variants=None):
+    """Build variants (default: every one the dispatcher can pick on the current GPU) into
+    CuPy's disk cache, in parallel processes; returns the count."""
+    variants = _current_variants() if variants is None else list(variants)
     jobs = jobs or min(16, os.cpu_count() or 1)
     context = multiprocessing.get_context("spawn")  # no CUDA state crosses a fork
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        return len(list(pool.map(_warm_one, range(count))))
+        return len(list(pool.map(_warm_one, variants)))
 
 
 def main(argv=None) -> int:
