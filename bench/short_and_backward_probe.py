@@ -12,7 +12,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import time
 
 import cupy
@@ -21,23 +20,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cuflash
 from cuflash import _config
+from sm90_probe import time_ms  # run as bench/short_and_backward_probe.py: bench/ is on the path
 
 sdpa = torch.nn.functional.scaled_dot_product_attention
 PEERS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)
-
-
-def time_ms(fn, repeats=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def host(stream):
