@@ -3,7 +3,8 @@
 - host: host time of one small call (cProfile's top entries), cuflash against SDPA;
 - short: the wgmma forward at seq 512-4096 with the batch x 16 at 512-1024, so that the GPU
   queue hides host time, in several schedules, against SDPA flash and cuDNN;
-- backward: the wgmma key pass (atomic and deterministic dQ) against mma.sync and SDPA.
+- backward: the wgmma key pass (dQ by vector atomics, by bulk reductions, deterministic)
+  against mma.sync and SDPA.
 
     python bench/short_and_backward_probe.py [--sections host short backward]
 """
@@ -76,7 +77,7 @@ def short(stream):
 
 
 def backward(stream):
-    print("bwd hd causal seq | wgmma atomic | wgmma det | mma.sync | sdpa_flash | cudnn")
+    print("bwd hd causal seq | wgmma atomic | wgmma bulk dQ | wgmma det | mma.sync | sdpa_flash | cudnn")
     for hd in (64, 128):
         for causal in (False, True):
             for seq in (1024, 4096, 16384):
@@ -86,12 +87,13 @@ def backward(stream):
                     o, l, m = cuflash.attention(q, k, v, causal=causal)
                 flops = 2.5 * 4 * seq * seq * hd * heads * batch / (2 if causal else 1)
                 row = []
-                for wgmma, deterministic in ((True, False), (True, True), (False, False)):
+                for wgmma, bulk, deterministic in ((True, False, False), (True, True, False), (True, False, True),
+                                                   (False, False, False)):
                     def run():
                         with stream:
                             cuflash.attention_backward(do, q, k, v, o, l, m, causal=causal, deterministic=deterministic)
 
-                    with _config.wgmma_backward(wgmma):
+                    with _config.wgmma_backward(wgmma), _config.sm90_bulk_dq(bulk):
                         row.append(time_ms(run))
                 for peer in PEERS:
                     leaves = [x.detach().requires_grad_() for x in (q, k, v)]

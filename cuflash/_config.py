@@ -556,6 +556,7 @@ class HopperBackward(_Launch):
     causal: bool
     stages: int = 2
     sparse: bool = False
+    bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
 
     source = "flash_bwd_sm90.cu"
     block_rows = 64
@@ -572,21 +573,32 @@ class HopperBackward(_Launch):
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         hd, br, bc = self.head_dim, self.block_rows, self.block_cols
         tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
-        return tiles + self.stages * 3 * br * 4 + 8 * (1 + 2 * self.stages) + 1024
+        dq_tile = 4 * br * 128  # fp32, for bulk_dq: hd128's tile, or hd64's two (one a warpgroup)
+        return tiles + self.stages * 3 * br * 4 + dq_tile + 8 * (1 + 2 * self.stages) + 1024
 
     @property
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_bwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.stages}, "
-            f"{_flag(self.atomic_dq)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
+            f"{_flag(self.atomic_dq)}, {_flag(self.causal)}, {_flag(self.sparse)}, {_flag(self.bulk_dq)}>"
         )
 
     @property
     def key(self) -> str:
         return (
             f"bwd_sm90_{self.dtype}_hd{self.head_dim}_s{self.stages}{'_atomic_dq' if self.atomic_dq else ''}"
-            f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+            f"{'_bulk' if self.bulk_dq else ''}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
         )
+
+
+# The switch sm90_bulk_dq() flips (not yet measured, off): atomic dQ through the copy engine.
+_sm90_bulk_dq = [False]
+
+
+def sm90_bulk_dq(enabled: bool):
+    """Add the wgmma backward's atomic dQ tile by tile with one bulk reduction (on) or with
+    vector atomics from registers (off, the default)."""
+    return _switched(_sm90_bulk_dq, enabled)
 
 
 # The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=0 in the environment starts with it off.
@@ -616,8 +628,9 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     on = _wgmma_backward[0] if wgmma_backward_on is None else wgmma_backward_on
     if wgmma and on and dtype in _TYPE_TAG and d == dv and d in (64, 128):
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *_TC_BACKWARD_DQ_TILES[d], causal, sparse)
-        return BackwardPlan(pre, (HopperBackward(dtype, d, not deterministic, causal, sparse=sparse),), dq,
-                            not deterministic)
+        key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
+                                  bulk_dq=_sm90_bulk_dq[0] and not deterministic)
+        return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)
         keys_per_warp = 4 if dim_tiles <= 4 else 2

@@ -17,7 +17,9 @@
 //                  dQ  += dS K            (ATOMIC_DQ) dS^T goes through shared memory; each
 //                                         warpgroup computes 64 columns of dQ (head dim 128;
 //                                         at 64 warpgroup 1 does all) and adds them to the
-//                                         float32 dQ with vector atomics
+//                                         float32 dQ with vector atomics, or (BULK_DQ) writes
+//                                         them to a shared tile that one thread adds to dQ
+//                                         with one bulk reduction on the copy engine
 // dK (times scale) and dV are written once at the end, like flash_bwd_kernel's.
 #include "common.cuh"
 #include "mask.cuh"
@@ -45,7 +47,9 @@ struct Bwd90SmemLayout {
     static constexpr int do_offset = q_offset + STAGES * q_bytes;
     static constexpr int ds_offset = do_offset + STAGES * q_bytes;
     static constexpr int stat_offset = ds_offset + 2 * ds_bytes;  // dS^T double-buffered (by tile parity)
-    static constexpr int barrier_offset = stat_offset + STAGES * stat_floats * 4;
+    static constexpr int dq_offset = stat_offset + STAGES * stat_floats * 4;  // fp32 dQ tiles (BULK_DQ)
+    static constexpr int dq_bytes = kBwd90Rows * 128 * 4;  // one [64][128] tile, or two [64][64] (HD = 64)
+    static constexpr int barrier_offset = dq_offset + dq_bytes;
     static constexpr int barriers = 1 + 2 * STAGES;  // K/V loaded; per stage, loaded and read
     static constexpr int bytes = barrier_offset + 8 * barriers + 1024;
 };
@@ -84,7 +88,7 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
         }
 }
 
-template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     using L = Bwd90SmemLayout<HD, STAGES>;
@@ -98,8 +102,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     require_dynamic_smem((u32)L::bytes);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = base + L::k_offset, sV = base + L::v_offset, sQ = base + L::q_offset;
-    const u32 sDO = base + L::do_offset, sDS = base + L::ds_offset;
+    const u32 sDO = base + L::do_offset, sDS = base + L::ds_offset, sDQ_addr = base + L::dq_offset;
     float* sStat = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)) + L::stat_offset);
+    float* sDQ = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)) + L::dq_offset);
+    // With bulk reductions at head dim 64 each warpgroup sums dQ over its own keys into its own
+    // tile and adds it itself (kOwnKeysDq); otherwise the warpgroups share one tile.
+    constexpr bool kOwnKeysDq = BULK_DQ && HD == 64;
     const Bwd90Barriers<STAGES> bar{base + L::barrier_offset};
 
     const i64 bidx = flat_batch_index();
@@ -159,6 +167,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         const float scale = (float)p.scale;
         int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
         band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
+        const int dq_tile = kOwnKeysDq ? warpgroup - 1 : 0;            // which fp32 dQ tile (BULK_DQ)
+        const int dq_issuer = kOwnKeysDq ? 128 * warpgroup : 128;      // the thread that adds it to dQ
 
         float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
 #pragma unroll
@@ -258,33 +268,61 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             sm90::wgmma_commit();
 
             if (ATOMIC_DQ) {
-                // -- dQ += scale * dS K over all 128 keys: dS^T of both warpgroups must be in --
+                // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
+                // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
+                // its own partial sum: the warpgroups then never wait for each other --
                 sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
                 sm90::fence_operand(acc_dv);
                 sm90::fence_operand(acc_dk);
                 sm90::fence_async_shared();
-                sm90::named_barrier_sync<1, 256>();
-                if (HD == 128 || warpgroup == 1) {
+                if constexpr (BULK_DQ) {
+                    if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
+                }
+                if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
+                else sm90::named_barrier_sync<1, 256>();
+                if (kOwnKeysDq || HD == 128 || warpgroup == 1) {
                     float acc_dq[8][4];
                     const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
+                    const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
                     // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
                     // transposed: both MN-major. 64-column block col0 / 64 of K.
 #pragma unroll
-                    for (int kk = 0; kk < kBwd90Keys / 16; ++kk)
-                        sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk),
-                                             sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk),
-                                             kk > 0);
+                    for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
+                        sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
+                                             sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
+                                             i > 0);
                     sm90::wgmma_commit();
                     sm90::wgmma_wait<0>();
                     sm90::fence_operand(acc_dq);
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const i64 q = q0 + 16 * warp + lane / 4 + 8 * h;
-                        if (q >= nq) continue;
-                        float* row = b.dq_acc + (bidx * nq + q) * p.d + col0 + my_col;
+                        const int r = 16 * warp + lane / 4 + 8 * h;
+                        if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
 #pragma unroll
-                        for (int n = 0; n < 8; ++n)
-                            atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                            for (int n = 0; n < 8; ++n)
+                                *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
+                                    make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                        } else {
+                            if (q0 + r >= nq) continue;
+                            float* row = b.dq_acc + (bidx * nq + q0 + r) * p.d + col0 + my_col;
+#pragma unroll
+                            for (int n = 0; n < 8; ++n)
+                                atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                        }
+                    }
+                }
+                if constexpr (BULK_DQ) {
+                    // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
+                    // adds them all. Without kOwnKeysDq its barrier also stands in for barrier 2
+                    // below: both warpgroups' dQ matmuls have read dS^T by now.
+                    sm90::fence_async_shared();
+                    if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
+                    else sm90::named_barrier_sync<3, 256>();
+                    if (tid == dq_issuer) {
+                        const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
+                        sm90::bulk_reduce_add_f32(b.dq_acc + (bidx * nq + q0) * p.d,
+                                                  sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
+                        sm90::bulk_commit();
                     }
                 }
                 // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
@@ -292,7 +330,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
                 // on this buffer has been waited for. Otherwise dS^T is read by both
                 // warpgroups' dQ matmuls before either writes the next tile's.
-                if constexpr (!kDoubleDs) sm90::named_barrier_sync<2, 256>();
+                if constexpr (!kDoubleDs && !BULK_DQ) sm90::named_barrier_sync<2, 256>();
             } else {
                 sm90::wgmma_wait<0>();
             }
@@ -301,6 +339,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             sm90::mbarrier_arrive(bar.empty(s));
         }
 
+        if constexpr (ATOMIC_DQ && BULK_DQ) {
+            if (tid == dq_issuer) sm90::bulk_wait<0>();  // every reduction done before the CTA's memory goes
+        }
         // -- dK (times scale) and dV, once --
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

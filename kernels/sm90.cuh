@@ -233,6 +233,21 @@ __device__ __forceinline__ void mbarrier_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// ---- bulk reductions ---------------------------------------------------------------------
+// Adds `bytes` (a multiple of 16) of float32 from shared memory into global memory, element by
+// element, on the copy engine; the operation completes in this thread's current bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's bulk groups are still reading their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+// Until at most N of this thread's bulk groups are incomplete (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // ---- bulk tensor copies (TMA) ------------------------------------------------------------
 // A CUtensorMap as the driver encodes it (cuflash/_tma.py): 128 opaque bytes.
 struct alignas(64) TensorMap {
@@ -267,6 +282,11 @@ __device__ __forceinline__ void tma_load_tile(u32 smem, const TensorMap* map, in
 
 // ---- named barriers ----------------------------------------------------------------------
 // Barrier 0 is __syncthreads; the kernels number theirs from 1.
+
+// bar.sync on a barrier chosen at run time, among 128 threads (one warpgroup): no branch on it.
+__device__ __forceinline__ void named_barrier_sync_128(int id) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
 template <int ID, int THREADS>
 __device__ __forceinline__ void named_barrier_sync() {
     asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");

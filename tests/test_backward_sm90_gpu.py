@@ -1,5 +1,6 @@
 """The wgmma backward key pass (kernels/flash_bwd_sm90.cu, the default on Hopper) on an
-H100/H200, against the float64 reference with the dense tests' error rule. Skipped elsewhere."""
+H100/H200, against the float64 reference with the dense tests' error rule, with dQ added by
+vector atomics and by bulk reductions. Skipped elsewhere."""
 
 import pytest
 
@@ -60,3 +61,17 @@ def test_windows_and_block_masks(d, rng):
     tq = -(-n // 100)
     blocks = M.BlockMask.from_dense(M.butterfly(16).to_dense()[:tq, :tq], 100)
     run_checked(q, k, v, do, dtype=dtype, causal=True, block_mask=blocks, mask=ref.element_mask(n, n, block_mask=blocks))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_bulk_reduced_dq(dtype, d, causal, rng):
+    """dQ tiles added by the copy engine (sm90_bulk_dq): ragged last query tiles (only their
+    rows are added), many query tiles a CTA (the tile buffer's reuse), grouped heads."""
+    with _config.sm90_bulk_dq(True):
+        assert _config.backward_plan(dtype, d, d, causal, False, wgmma=True).key_passes[0].bulk_dq
+        for nq, nk in ((1, 1), (63, 65), (200, 129), (1000, 1000)):
+            q, do = (random_array(rng, (2, 4, nq, d), dtype) for _ in range(2))
+            k, v = (random_array(rng, (2, 2, nk, d), dtype) for _ in range(2))
+            run_checked(q, k, v, do, dtype=dtype, causal=causal)
