@@ -76,7 +76,27 @@ def short(stream):
                 print(f"{hd} {int(causal)} {seq} | " + " | ".join(f"{flops / t / 1e9:.0f}" for t in row), flush=True)
 
 
+BACKWARD_FORMS = ((True, False, False), (True, True, False), (True, False, True), (False, False, False))  # wgmma, bulk, det.
+
+
+def warm_backward():
+    """Build every backward kernel the probe runs, in parallel processes, before timing."""
+    from cuflash import compile_check
+
+    needed = {}
+    for hd in (64, 128):
+        for causal in (False, True):
+            for wgmma, bulk, deterministic in BACKWARD_FORMS:
+                with _config.wgmma_backward(wgmma), _config.sm90_bulk_dq(bulk):
+                    plan = _config.backward_plan("bfloat16", hd, hd, causal, deterministic, wgmma=True)
+                for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
+                    if kernel is not None:
+                        needed[kernel.key] = kernel
+    compile_check.warm(variants=needed.values())
+
+
 def backward(stream):
+    warm_backward()
     print("bwd hd causal seq | wgmma atomic | wgmma bulk dQ | wgmma det | mma.sync | sdpa_flash | cudnn")
     for hd in (64, 128):
         for causal in (False, True):
@@ -87,8 +107,7 @@ def backward(stream):
                     o, l, m = cuflash.attention(q, k, v, causal=causal)
                 flops = 2.5 * 4 * seq * seq * hd * heads * batch / (2 if causal else 1)
                 row = []
-                for wgmma, bulk, deterministic in ((True, False, False), (True, True, False), (True, False, True),
-                                                   (False, False, False)):
+                for wgmma, bulk, deterministic in BACKWARD_FORMS:
                     def run():
                         with stream:
                             cuflash.attention_backward(do, q, k, v, o, l, m, causal=causal, deterministic=deterministic)
