@@ -26,6 +26,10 @@ namespace cuflash {
 
 constexpr int kSm90Rows = 128;        // query rows per CTA: two consumer warpgroups of 64
 constexpr int kSm90Threads = 3 * 128;  // producer + two consumers
+// Consumers release buffers once a warp (lane 0): they read K, V and Q only through wgmma,
+// whose reads are complete for the whole warpgroup once wait_group has returned, so 8
+// arrivals stand for 256 (each an atomic on shared memory, twice a tile).
+constexpr int kSm90ConsumerWarps = 8;
 // setmaxnreg moves registers within what the CTA was launched with: 168 a thread (the cap of
 // 384 threads on one CTA per SM). Asking for more than that in total never returns.
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
@@ -162,14 +166,14 @@ struct Sm90Consumer {
     __device__ __forceinline__ void take_s(float (&acc_s)[BC / 8][4], int t, OnlineSoftmax<2>& softmax,
                                            float (&correction)[2]) const {
         sm90::fence_operand(acc_s);
-        sm90::mbarrier_arrive(bar.k_empty(ring.stage(t, STAGES)));
+        if (lane == 0) sm90::mbarrier_arrive(bar.k_empty(ring.stage(t, STAGES)));
         softmax_tile(acc_s, t, softmax, correction);
     }
     // Waits for every wgmma in flight (P V of t last) and frees tile t's V buffer.
     __device__ __forceinline__ void finish_pv(float (&acc_o)[HD / 8][4], int t) const {
         sm90::wgmma_wait<0>();
         sm90::fence_operand(acc_o);
-        sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
+        if (lane == 0) sm90::mbarrier_arrive(bar.v_empty(ring.stage(t, STAGES)));
     }
 
     // Masks tile t's scores (tiles crossing the key end or the band's edges, partial blocks),
@@ -328,7 +332,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
                 }
             }
         }
-        sm90::mbarrier_arrive(bar.q_empty());  // every S of this item is done: Q may be replaced
+        if (c.lane == 0) sm90::mbarrier_arrive(bar.q_empty());  // every S of this item is done: Q may be replaced
     }
 
     // -- epilogue: O /= l, l and m in flash_fwd.cu's format --
@@ -381,12 +385,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     if (tid == 0) {
         const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier
         sm90::mbarrier_init(bar.q_full(), loaders);
-        sm90::mbarrier_init(bar.q_empty(), 256);
+        sm90::mbarrier_init(bar.q_empty(), kSm90ConsumerWarps);
         for (int s = 0; s < STAGES; ++s) {
             sm90::mbarrier_init(bar.k_full(s), loaders);
             sm90::mbarrier_init(bar.v_full(s), loaders);
-            sm90::mbarrier_init(bar.k_empty(s), 256);
-            sm90::mbarrier_init(bar.v_empty(s), 256);
+            sm90::mbarrier_init(bar.k_empty(s), kSm90ConsumerWarps);
+            sm90::mbarrier_init(bar.v_empty(s), kSm90ConsumerWarps);
         }
         sm90::fence_barrier_init();
     }
