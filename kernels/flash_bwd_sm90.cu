@@ -117,7 +117,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         sm90::mbarrier_init(bar.kv_full(), 128);
         for (int s = 0; s < STAGES; ++s) {
             sm90::mbarrier_init(bar.full(s), 128);
-            sm90::mbarrier_init(bar.empty(s), 256);
+            sm90::mbarrier_init(bar.empty(s), 8);  // one arrival a consumer warp
         }
     }
     __syncthreads();
@@ -336,7 +336,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             }
             sm90::fence_operand(acc_dv);
             sm90::fence_operand(acc_dk);
-            sm90::mbarrier_arrive(bar.empty(s));
+            // The stage is free once this warp is done with it: its wgmma reads are complete
+            // (waited for above) and its lanes' loads of the statistics have been used.
+            __syncwarp();
+            if (lane == 0) sm90::mbarrier_arrive(bar.empty(s));
         }
 
         if constexpr (ATOMIC_DQ && BULK_DQ) {
