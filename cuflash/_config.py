@@ -148,8 +148,8 @@ class HopperForward(_Launch):
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
     # bytes); the persistent head-dim-128 forms still spill up to 64 bytes. At 256, where O is
-    # 128 of a consumer's 232 registers, up to 144 (not yet run: the probe decides whether the
-    # head-dim-256 kernel pays its way).
+    # 128 of a consumer's 232 registers, up to 144; it still runs at 1.8x the mma.sync kernel
+    # (bench/NOTES.md).
     @property
     def spill_allowance(self) -> int:
         return 160 if self.head_dim == 256 else 128
@@ -195,16 +195,19 @@ class HopperForward(_Launch):
 # round-robin of items, longest query tiles first, balances worse than the hardware handing a
 # free SM the next CTA).
 #
-# Head dim 256 (not yet run): 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of
-# shared memory; O is 128 of a consumer thread's 232 registers), no overlap or ping-pong.
+# Head dim 256: 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of shared
+# memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
+# TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78.
 _SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8),
-                       256: (64, 2, False, False, True, 8)}
+                       256: (64, 2, False, True, True, 8)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
 # Per head dim: 0, or n > 0 to compute the exponentials of every n-th 8-key accumulator tile
-# with poly_exp2 (kernels/common.cuh) on the FMA pipe instead of the SFU. Not yet measured.
+# with poly_exp2 (kernels/common.cuh) on the FMA pipe instead of the SFU. Measured at 8cbec78
+# (bench/NOTES.md): slower at every n tried (2, 3, 4) at head dims 64 and 128, by 3-13%: the
+# SFU is not what binds these kernels. Kept off.
 _SM90_EXP_EMULATION = {64: 0, 128: 0, 256: 0}
 
 
@@ -220,10 +223,11 @@ def sm90_tiles_override(tiles_by_head_dim):
 
 
 @contextlib.contextmanager
-def _switched(switch: list, enabled: bool):
-    """Temporarily set a module switch (a one-element list)."""
+def _switched(switch: list, enabled):
+    """Temporarily set a module switch (a one-element list; None where the switch has a
+    per-head-dim default)."""
     saved = switch[0]
-    switch[0] = bool(enabled)
+    switch[0] = None if enabled is None else bool(enabled)
     try:
         yield
     finally:
@@ -591,14 +595,23 @@ class HopperBackward(_Launch):
         )
 
 
-# The switch sm90_bulk_dq() flips (not yet measured, off): atomic dQ through the copy engine.
-_sm90_bulk_dq = [False]
+# Per head dim: the wgmma backward's atomic dQ added tile by tile by one bulk reduction on the
+# copy engine (True) or by vector atomics from registers (False). Measured (bench/NOTES.md,
+# 8cbec78): +7-11% at head dim 128; -4-8% at 64, where each warpgroup adds its own tile and the
+# copy engine's two reductions a tile cost more than the atomics they replace.
+_SM90_BULK_DQ = {64: False, 128: True}
+# The switch sm90_bulk_dq() flips: None follows _SM90_BULK_DQ, True / False force it.
+_sm90_bulk_dq = [None]
 
 
-def sm90_bulk_dq(enabled: bool):
-    """Add the wgmma backward's atomic dQ tile by tile with one bulk reduction (on) or with
-    vector atomics from registers (off, the default)."""
+def sm90_bulk_dq(enabled: typing.Optional[bool]):
+    """Add the wgmma backward's atomic dQ by bulk reductions (True), by vector atomics (False)
+    or as _SM90_BULK_DQ says for the head dim (None, the default)."""
     return _switched(_sm90_bulk_dq, enabled)
+
+
+def _bulk_dq(d: int) -> bool:
+    return _SM90_BULK_DQ.get(d, False) if _sm90_bulk_dq[0] is None else bool(_sm90_bulk_dq[0])
 
 
 # The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=0 in the environment starts with it off.
@@ -629,7 +642,7 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     if wgmma and on and dtype in _TYPE_TAG and d == dv and d in (64, 128):
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *_TC_BACKWARD_DQ_TILES[d], causal, sparse)
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  bulk_dq=_sm90_bulk_dq[0] and not deterministic)
+                                  bulk_dq=_bulk_dq(d) and not deterministic)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)

@@ -911,7 +911,8 @@ def lowp_attention_backward(
         dS = round(P * (dP - D))
         dQ = round(round(dS K) * scale)     dK = round(round(dS^T Q) * scale)
 
-    Returns float64 (dq, dk, dv) with q's, k's and v's shapes (broadcast positions summed).
+    Returns float64 (dq, dk, dv) with q's, k's and v's shapes (broadcast positions summed,
+    each sum rounded to dtype).
     The kernels' gradient error budget is 3x this function's error against
     :func:`standard_attention_backward`.
     """
@@ -939,9 +940,12 @@ def lowp_attention_backward(
         ds = round_to(p * (dp - row_dot[..., None]), name)
         dq_x = round_to(round_to(ds @ k_x, name) * scale_r, name)
         dk_x = round_to(round_to(t(ds) @ q_x, name) * scale_r, name)
+    # A framework sums the gradients of broadcast or repeated (grouped) heads in float32 and
+    # stores the sum in dtype: one more rounding where heads share q, k or v.
     to64 = lambda x: np.asarray(x, dtype=np.float64)
+    stored = lambda x: to64(round_to(x, name))
     return (
-        _sum_to_shape(to64(dq_x), q_in.shape),
-        _reduce_kv_grad(to64(dk_x), k_in.shape, plan),
-        _reduce_kv_grad(to64(dv_x), v_in.shape, plan),
+        stored(_sum_to_shape(to64(dq_x), q_in.shape)),
+        stored(_reduce_kv_grad(to64(dk_x), k_in.shape, plan)),
+        stored(_reduce_kv_grad(to64(dv_x), v_in.shape, plan)),
     )

@@ -63,14 +63,17 @@ def test_windows_and_block_masks(d, rng):
     run_checked(q, k, v, do, dtype=dtype, causal=True, block_mask=blocks, mask=ref.element_mask(n, n, block_mask=blocks))
 
 
+@pytest.mark.parametrize("bulk", (True, False), ids=("bulk", "vector"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
-def test_bulk_reduced_dq(dtype, d, causal, rng):
-    """dQ tiles added by the copy engine (sm90_bulk_dq): ragged last query tiles (only their
-    rows are added), many query tiles a CTA (the tile buffer's reuse), grouped heads."""
-    with _config.sm90_bulk_dq(True):
-        assert _config.backward_plan(dtype, d, d, causal, False, wgmma=True).key_passes[0].bulk_dq
+def test_atomic_dq_forms(dtype, d, causal, bulk, rng):
+    """Atomic dQ added by the copy engine (sm90_bulk_dq, the default at head dim 128) and by
+    vector atomics (the default at 64), whatever the head dim's default: ragged last query
+    tiles (only their rows are added), many query tiles a CTA (the tile buffer's reuse),
+    grouped heads."""
+    with _config.sm90_bulk_dq(bulk):
+        assert _config.backward_plan(dtype, d, d, causal, False, wgmma=True).key_passes[0].bulk_dq == bulk
         for nq, nk in ((1, 1), (63, 65), (200, 129), (1000, 1000)):
             q, do = (random_array(rng, (2, 4, nq, d), dtype) for _ in range(2))
             k, v = (random_array(rng, (2, 2, nk, d), dtype) for _ in range(2))

@@ -71,3 +71,14 @@ class _BrokenVariant:
     source = "flash_fwd.cu"
     key = "broken"
     name_expression = "cuflash::flash_fwd_kernel<cuflash::bf16, 24, 24, 128, 64, 8, 1, false>"
+
+
+def test_bulk_dq_follows_the_head_dim_unless_forced():
+    def bulk(d):
+        return _config.backward_plan("bfloat16", d, d, False, False, wgmma=True).key_passes[0].bulk_dq
+
+    assert [bulk(64), bulk(128)] == [_config._SM90_BULK_DQ[64], _config._SM90_BULK_DQ[128]] == [False, True]
+    for forced in (False, True):
+        with _config.sm90_bulk_dq(forced):
+            assert [bulk(64), bulk(128)] == [forced, forced]
+    assert _config.backward_plan("bfloat16", 128, 128, False, True, wgmma=True).key_passes[0].bulk_dq is False

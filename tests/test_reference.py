@@ -511,3 +511,16 @@ def test_lowp_backward_is_close_but_not_exact(dtype):
         assert g.shape == e.shape
         err = np.max(np.abs(g - e)) / np.max(np.abs(e))
         assert 0 < err < 5e-2
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_lowp_backward_stores_shared_head_sums_in_dtype(dtype):
+    # One key: every P is 1, so each query head's dV is its dO exactly; two query heads share
+    # the k/v head, and a framework stores their sum in dtype, rounded once.
+    rng = np.random.default_rng()
+    q, do = (ref.round_to(rng.standard_normal((1, 4, 1, 16)), dtype).astype(np.float64) for _ in range(2))
+    k, v = (ref.round_to(rng.standard_normal((1, 2, 1, 16)), dtype).astype(np.float64) for _ in range(2))
+    dv = ref.lowp_attention_backward(do, q, k, v, dtype=dtype)[2]
+    summed = do.reshape(1, 2, 2, 1, 16).sum(axis=2)
+    np.testing.assert_array_equal(dv, ref.round_to(summed, dtype))
+    assert not np.array_equal(dv, summed)  # the sums of random pairs are not all representable
