@@ -197,9 +197,10 @@ class HopperForward(_Launch):
 #
 # Head dim 256: 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of shared
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
-# TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78.
+# TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78. Never
+# persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
 _SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8),
-                       256: (64, 2, False, True, True, 8)}
+                       256: (64, 2, False, True, True, False)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 

@@ -1,9 +1,26 @@
-// bwd_common.cuh: how the backward kernels write their gradients (flash_bwd.cu and
-// flash_bwd_sm90.cu).
+// bwd_common.cuh: where the backward kernels read a slice's inputs, and how they write their
+// gradients (flash_bwd.cu, flash_bwd_sm90.cu, flash_bwd_f32.cu).
 #pragma once
 #include "common.cuh"
 
 namespace cuflash {
+
+// One slice's backward inputs: where its q, k, v and dO rows start, and its row statistics
+// ((m, log2 l) pairs and D, rows padded to nq_pad) as the preprocess wrote them.
+template <typename T>
+struct BwdSlice {
+    const T *q, *k, *v, *dout;
+    const float *lse2, *delta;
+};
+
+template <typename T>
+__device__ __forceinline__ BwdSlice<T> bwd_slice(const FwdParams& p, const BwdParams& b, i64 bidx) {
+    const BatchOffsets off = batch_offsets(p, bidx);
+    return {static_cast<const T*>(p.q) + off.q, static_cast<const T*>(p.k) + off.k,
+            static_cast<const T*>(p.v) + off.v,
+            static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride),
+            b.lse2 + 2 * bidx * b.nq_pad, b.delta + bidx * b.nq_pad};
+}
 
 // Stores two adjacent gradient values at row_offset + col (col < ncols, even), as fp32 or,
 // when in_dtype, packed in the input dtype T.

@@ -156,13 +156,9 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     const i64 nq = p.nq, nk = p.nk;
     const i64 j0 = (i64)blockIdx.x * BC;
 
-    const BatchOffsets off = batch_offsets(p, bidx);
-    const T* gQ = static_cast<const T*>(p.q) + off.q;
-    const T* gK = static_cast<const T*>(p.k) + off.k;
-    const T* gV = static_cast<const T*>(p.v) + off.v;
-    const T* gdO = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
-    const float* gLse = b.lse2 + 2 * bidx * b.nq_pad;
-    const float* gD = b.delta + bidx * b.nq_pad;
+    const BwdSlice<T> in = bwd_slice<T>(p, b, bidx);
+    const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
+    const float *gLse = in.lse2, *gD = in.delta;
 
     // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
     const Band band = Band::of<CAUSAL>(p);
@@ -374,11 +370,8 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     const i64 q0 = (i64)q_tile * BR, nq = p.nq, nk = p.nk;
-    const BatchOffsets off = batch_offsets(p, bidx);
-    const T* gQ = static_cast<const T*>(p.q) + off.q;
-    const T* gK = static_cast<const T*>(p.k) + off.k;
-    const T* gV = static_cast<const T*>(p.v) + off.v;
-    const T* gdO = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
+    const BwdSlice<T> in = bwd_slice<T>(p, b, bidx);
+    const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
     const Band band = Band::of<CAUSAL>(p);
     const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
@@ -391,9 +384,9 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     float m_row[2], log2l[2], delta[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows past nq read the padding: m = +inf, D = 0
-        m_row[h] = b.lse2[2 * (bidx * b.nq_pad + my_q[h])];
-        log2l[h] = b.lse2[2 * (bidx * b.nq_pad + my_q[h]) + 1];
-        delta[h] = b.delta[bidx * b.nq_pad + my_q[h]];
+        m_row[h] = in.lse2[2 * my_q[h]];
+        log2l[h] = in.lse2[2 * my_q[h] + 1];
+        delta[h] = in.delta[my_q[h]];
     }
     const float scale = (float)p.scale;
 

@@ -9,6 +9,7 @@
 // No atomics: both are deterministic. D and (m, log2 l) come from flash_bwd_preprocess<float>.
 #include "common.cuh"
 #include "mask.cuh"
+#include "bwd_common.cuh"
 
 namespace cuflash {
 
@@ -39,11 +40,10 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const i64 nq = p.nq, nk = p.nk, j0 = (i64)blockIdx.x * BK;
-    const BatchOffsets off = batch_offsets(p, bidx);
-    const float* gQ = static_cast<const float*>(p.q) + off.q;
-    const float* gdO = static_cast<const float*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
-    load_rows_f32(sK, static_cast<const float*>(p.k) + off.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
-    load_rows_f32(sV, static_cast<const float*>(p.v) + off.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
+    const BwdSlice<float> in = bwd_slice<float>(p, b, bidx);
+    const float *gQ = in.q, *gdO = in.dout;
+    load_rows_f32(sK, in.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
+    load_rows_f32(sV, in.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
 
     const Band band = Band::of<CAUSAL>(p);
     const auto tiles = query_tiles<SPARSE>(p, band, bidx, (int)blockIdx.x, j0, BK, 32);
@@ -64,8 +64,8 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
         load_rows_f32(sdO, gdO, b.do_row_stride, q0, nq, 32, DVT * 32, dv, OP, tid, NT);
         __syncthreads();
         const i64 q = q0 + lane;  // this lane's query; rows past nq read the padding
-        const float m_row = b.lse2[2 * (bidx * b.nq_pad + q)], log2l = b.lse2[2 * (bidx * b.nq_pad + q) + 1];
-        const float delta = b.delta[bidx * b.nq_pad + q];
+        const float m_row = in.lse2[2 * q], log2l = in.lse2[2 * q + 1];
+        const float delta = in.delta[q];
 #pragma unroll
         for (int r = 0; r < KPW; ++r) {
             const int kr = warp * KPW + r;
@@ -116,12 +116,10 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     const i64 q0 = (i64)q_tile * BR, nq = p.nq, nk = p.nk;
-    const BatchOffsets off = batch_offsets(p, bidx);
-    const float* gK = static_cast<const float*>(p.k) + off.k;
-    const float* gV = static_cast<const float*>(p.v) + off.v;
-    load_rows_f32(sQ, static_cast<const float*>(p.q) + off.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
-    load_rows_f32(sdO, static_cast<const float*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride),
-                  b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);
+    const BwdSlice<float> in = bwd_slice<float>(p, b, bidx);
+    const float *gK = in.k, *gV = in.v;
+    load_rows_f32(sQ, in.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
+    load_rows_f32(sdO, in.dout, b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);
     const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
     const Band band = Band::of<CAUSAL>(p);
     const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, 32);
@@ -131,9 +129,9 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         const i64 q = q0 + warp * RPW + r;  // rows past nq read the padding (m = +inf)
-        m_row[r] = b.lse2[2 * (bidx * b.nq_pad + q)];
-        log2l[r] = b.lse2[2 * (bidx * b.nq_pad + q) + 1];
-        delta[r] = b.delta[bidx * b.nq_pad + q];
+        m_row[r] = in.lse2[2 * q];
+        log2l[r] = in.lse2[2 * q + 1];
+        delta[r] = in.delta[q];
 #pragma unroll
         for (int u = 0; u < DT; ++u) acc[r][u] = 0.f;
     }

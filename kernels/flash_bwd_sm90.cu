@@ -133,13 +133,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         // ---- producer ----
         sm90::release_registers<kBwd90ProducerRegisters>();
         if (n_tiles > 0) {
-            const BatchOffsets off = batch_offsets(p, bidx);
-            const T* gK = static_cast<const T*>(p.k) + off.k;
-            const T* gV = static_cast<const T*>(p.v) + off.v;
-            const T* gQ = static_cast<const T*>(p.q) + off.q;
-            const T* gDO = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride);
-            const float* gLse = b.lse2 + 2 * bidx * b.nq_pad;
-            const float* gD = b.delta + bidx * b.nq_pad;
+            const BwdSlice<T> in = bwd_slice<T>(p, b, bidx);
+            const T *gK = in.k, *gV = in.v, *gQ = in.q, *gDO = in.dout;
+            const float *gLse = in.lse2, *gD = in.delta;
             sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, gK, p.k_row_stride, k0, nk, p.d, tid);
             sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sV, gV, p.v_row_stride, k0, nk, p.dv, tid);
             sm90::cp_async_arrive(bar.kv_full());
