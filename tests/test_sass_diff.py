@@ -1,0 +1,73 @@
+"""scripts/sass_diff.py without a GPU: NVRTC's cubins, cuobjdump's listing and the comparison.
+
+The comparison is what lets a kernel edit be shown harmless on a machine without a GPU (the
+variants it must not touch compile to the same machine code), so it must tell an edit apart.
+"""
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cuflash import _config
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "sass_diff.py"
+_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+
+@pytest.fixture(scope="module")
+def sass_diff():
+    spec = importlib.util.spec_from_file_location("sass_diff", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _f32_forwards(n=2):
+    return [v for v in _config.variants_for("sm_80") if v.source == "flash_fwd_f32.cu"][:n]
+
+
+def test_normalized_drops_reuse_hints_and_orders_commuting_sources(sass_diff):
+    assert sass_diff.normalized("FADD R132, R139, -R136.reuse ;") == "FADD R132, -R136, R139 ;"
+    assert sass_diff.normalized("@!P0 FMUL.FTZ R1, R5, -R2 ;") == "@!P0 FMUL.FTZ R1, -R2, R5 ;"
+    # Not commutative, or three sources: kept as they are but for the hint.
+    assert sass_diff.normalized("FFMA R1, R3.reuse, R2, R4 ;") == "FFMA R1, R3, R2, R4 ;"
+    assert sass_diff.normalized("ISETP.GE.AND P0, PT, R3, R2, PT ;") == "ISETP.GE.AND P0, PT, R3, R2, PT ;"
+
+
+def test_whole_elf_restores_the_program_headers(sass_diff):
+    variant = _f32_forwards(1)[0]
+    cubin, lowered = sass_diff.compile_cubin(str(_KERNELS), variant.source, [variant.name_expression], "sm_80")
+    assert cubin is not None, lowered
+    import struct
+
+    phoff = struct.unpack_from("<Q", cubin, 0x20)[0]
+    phentsize, phnum = struct.unpack_from("<HH", cubin, 0x36)
+    assert cubin[:4] == b"\x7fELF" and len(cubin) >= phoff + phentsize * phnum
+    assert sass_diff.whole_elf(cubin) == cubin  # already whole: nothing added
+
+
+def test_same_sources_compare_identical_and_an_edit_differs(sass_diff, tmp_path):
+    variants = {"sm_80": _f32_forwards()}
+    same = sass_diff.compare(_KERNELS, _KERNELS, variants, jobs=1)
+    assert [status for *_, status, _ in same] == ["identical"] * 2
+    assert all(int(detail[0].split()[0]) > 100 for *_, detail in same)  # real functions were read
+
+    edited = tmp_path / "kernels"
+    shutil.copytree(_KERNELS, edited)
+    source = edited / "flash_fwd_f32.cu"
+    text = source.read_text()
+    line = "const float scale_log2 = (float)p.scale_log2;"
+    assert line in text
+    source.write_text(text.replace(line, "const float scale_log2 = 0.5f * (float)p.scale_log2;"))
+    changed = sass_diff.compare(_KERNELS, edited, variants, jobs=1)
+    assert [status for *_, status, _ in changed] == ["differs"] * 2
+
+
+def test_a_variant_that_does_not_build_is_reported(sass_diff, tmp_path):
+    broken = tmp_path / "kernels"
+    shutil.copytree(_KERNELS, broken)
+    (broken / "flash_fwd_f32.cu").write_text("#error broken on purpose\n")
+    rows = sass_diff.compare(_KERNELS, broken, {"sm_80": _f32_forwards(1)}, jobs=1)
+    assert [status for *_, status, _ in rows] == ["head does not build"]
