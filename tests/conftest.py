@@ -1,7 +1,19 @@
-"""Shared test fixtures: GPU (and wgmma) detection and output poisoning."""
+"""Shared test fixtures: GPU (and wgmma) detection, output poisoning, the scripts/ modules."""
+
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are programs, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _gpu_available() -> bool:

@@ -2,20 +2,15 @@
 the shards' launched-variant lists."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "sanitize_cases.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def cases_module():
-    spec = importlib.util.spec_from_file_location("sanitize_cases", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sanitize_cases")
 
 
 def test_shard_argument(cases_module):

@@ -4,24 +4,20 @@ The comparison is what lets a kernel edit be shown harmless on a machine without
 variants it must not touch compile to the same machine code), so it must tell an edit apart.
 """
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from cuflash import _config
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "sass_diff.py"
 _KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 
 @pytest.fixture(scope="module")
 def sass_diff():
-    spec = importlib.util.spec_from_file_location("sass_diff", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sass_diff")
 
 
 def _f32_forwards(n=2):
