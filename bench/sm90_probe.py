@@ -1,12 +1,14 @@
 """Tuning probe for the wgmma forward: forward TFLOP/s of (block_cols, stages, overlap,
-pingpong, tma, persistent[, exp emulation]) settings
+pingpong, tma, persistent[, exp emulation[, early next]]) settings
 of kernels/flash_fwd_sm90.cu next to the mma.sync kernel and SDPA's flash and cuDNN backends,
-in one process on one GPU (bf16, 16k tokens, hidden 2048, as cuflash-bench).
+in one process on one GPU (bf16, 16k tokens, hidden 2048, as cuflash-bench; --tokens for more).
 
     python bench/sm90_probe.py [--seqlens 4096 16384] [--configs 128,3,0,1,1,1 128,3,0,0,0,0 ...]
+                               [--tokens 262144]
 """
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -29,10 +31,24 @@ def time_ms(fn, repeats=20):
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def switched(hd, config):
+    """The wgmma forward's table set to one probe config: (block_cols, stages, overlap, pingpong,
+    tma, persistent), a 7th number for exp emulation (every n-th tile) and an 8th for early_next."""
+    bc, stages, *flags = config
+    emulation, early = (list(flags[4:6]) + [0, 0])[:2]
+    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags[:4]))}), \
+            _config.sm90_exp_emulation_override({hd: emulation}), \
+            _config.sm90_early_next_override({hd: bool(early)}):
+        yield
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--tokens", type=int, default=16384,
+                        help="batch x seq (16x more at seq 512-1024 hides cuflash's host time in each call)")
     parser.add_argument("--configs", nargs="+",
                         default=["128,3,0,0,0,0", "128,3,0,1,0,0", "128,3,0,0,1,0", "128,3,0,1,1,0",
                                  "128,3,0,1,1,1", "128,3,1,1,1,1"])
@@ -48,9 +64,8 @@ def main():
     for hd in args.hdims:
         for causal in (False, True):
             for seq in args.seqlens:
-                for bc, stages, *flags in configs:
-                    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags[:4]))}), \
-                            _config.sm90_exp_emulation_override({hd: (flags[4:5] or [0])[0]}):
+                for config in configs:
+                    with switched(hd, config):
                         variant = _config.forward_config("bfloat16", hd, hd, causal, wgmma=True, nq=seq)
                     needed[variant.key] = variant
             mma_sync = _config.forward_config("bfloat16", hd, hd, causal)
@@ -61,14 +76,12 @@ def main():
     for hd in args.hdims:
         for causal in (False, True):
             for seq in args.seqlens:
-                batch, heads = 16384 // seq, 2048 // hd
+                batch, heads = max(1, args.tokens // seq), 2048 // hd
                 q, k, v = (torch.randn(batch, heads, seq, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * seq * seq * hd * heads * batch / (2 if causal else 1)
                 row = []
-                for bc, stages, *flags in configs:
-                    emulation = flags[4:5] or [0]  # a 7th number: exp emulation (every n-th tile)
-                    with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags[:4]))}), \
-                            _config.sm90_exp_emulation_override({hd: emulation[0]}):
+                for config in configs:
+                    with switched(hd, config):
                         row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))
                 with _config.wgmma_forward(False):
                     row.append(time_ms(lambda: cuflash.attention(q, k, v, causal=causal)))

@@ -142,6 +142,7 @@ class HopperForward(_Launch):
     causal: bool
     sparse: bool = False
     exp_emulation: int = 0  # > 0: every n-th accumulator tile's exponentials on the FMA pipe
+    early_next: bool = False  # persistent TMA forms: the next item's K and Q load before this one ends
 
     source = "flash_fwd_sm90.cu"
     block_rows = 128
@@ -164,11 +165,18 @@ class HopperForward(_Launch):
         return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
 
     @property
+    def loads_early(self) -> bool:
+        """Whether early_next takes effect: only the persistent TMA forms have a next item to
+        load early (the dispatcher's fallbacks to cp.async or one item a CTA drop it)."""
+        return self.early_next and self.persistent and self.tma
+
+    @property
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
             f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}>"
+            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}"
+            + (", true>" if self.loads_early else ">")
         )
 
     @property
@@ -178,6 +186,7 @@ class HopperForward(_Launch):
             f"_p{int(self.pingpong)}_t{int(self.tma)}_r{int(self.persistent)}"
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
             + (f"_e{self.exp_emulation}" if self.exp_emulation else "")
+            + ("_n1" if self.loads_early else "")
         )
 
 
@@ -193,7 +202,8 @@ class HopperForward(_Launch):
 # a CTA's ring fills and drains in a handful of key tiles; from 4096 the one-item-a-CTA grid
 # was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k: its fixed
 # round-robin of items, longest query tiles first, balances worse than the hardware handing a
-# free SM the next CTA).
+# free SM the next CTA; but the non-causal forms, whose items are equal, lost too, so balance
+# is not all of it: bench/NOTES.md, sixth session).
 #
 # Head dim 256: 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of shared
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
@@ -215,6 +225,19 @@ _SM90_EXP_EMULATION = {64: 0, 128: 0, 256: 0}
 def sm90_exp_emulation_override(by_head_dim):
     """Temporarily replace _SM90_EXP_EMULATION entries {head_dim: n} (tuning runs)."""
     return _table_override(_SM90_EXP_EMULATION, by_head_dim)
+
+
+# Per head dim: whether the persistent forms start the next item's loads early (early_next,
+# kernels/flash_fwd_sm90.cu's EARLY_NEXT). Written without a GPU (session 6), so off until a
+# probe measures it: predicted to matter where items are short (seq 512-1024, 4-8 key tiles
+# an item, where the ring running dry at each item boundary costs a Q and a K load's latency,
+# ~1-2 us, of an 8-16 us item), and to be what the persistent grid lacked from seq 4096 on.
+_SM90_EARLY_NEXT = {64: False, 128: False, 256: False}
+
+
+def sm90_early_next_override(by_head_dim):
+    """Temporarily replace _SM90_EARLY_NEXT entries {head_dim: bool} (tuning runs, tests)."""
+    return _table_override(_SM90_EARLY_NEXT, by_head_dim)
 
 
 def sm90_tiles_override(tiles_by_head_dim):
@@ -270,7 +293,8 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
         if not isinstance(persistent, bool):
             persistent = nq is not None and -(-nq // HopperForward.block_rows) <= persistent
         return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse),
-                             exp_emulation=_SM90_EXP_EMULATION.get(d, 0))
+                             exp_emulation=_SM90_EXP_EMULATION.get(d, 0),
+                             early_next=bool(persistent and _SM90_EARLY_NEXT.get(d, False)))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.

@@ -71,6 +71,37 @@ def test_every_schedule(d, mode, rng):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
 
 
+@pytest.mark.parametrize("early", (False, True), ids=("ring_drains", "early_next"))
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_persistent_grid_walks_many_items(d, early, rng):
+    """The persistent forms with several (query tile, slice) items a CTA, which one K/V ring and
+    one Q buffer serve in turn, so that a phase or hand-off error shows only from a CTA's
+    second item on (test_every_schedule's inputs give each CTA one item on an H200): four items
+    a CTA, of different key-tile counts (causal, Nq < Nk), one-tile items and items with no
+    tile at all (a block mask's empty row: nothing is loaded, the rows get o = 0)."""
+    import cupy
+
+    from cuflash._api import _sm_count
+
+    dtype = "bfloat16"
+    sms = _sm_count(cupy.cuda.Device().id)  # the persistent grid's size
+    nq, nk = 300, 400  # 3 query tiles a head; 4 key tiles of 128 (7 of 64)
+    heads = -(-4 * sms // 3)
+    q = random_array(rng, (1, heads, nq, d), dtype)
+    k, v = (random_array(rng, (1, heads, nk, d), dtype) for _ in range(2))
+    mask = M.BlockMask.from_dense(np.array([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool), 128)
+    bc, stages, overlap, pingpong, _, _ = _config._SM90_FORWARD_TILES[d]
+    with _config.sm90_tiles_override({d: (bc, stages, overlap, pingpong, True, True)}), \
+            _config.sm90_early_next_override({d: early}):
+        variant = _config.forward_config(dtype, d, d, False, wgmma=True, nq=nq)
+        assert variant.persistent and variant.loads_early == early
+        for causal in (False, True):
+            check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
+            elements = ref.element_mask(nq, nk, block_mask=mask)
+            check_forward(run(q, k, v, causal=causal, block_mask=mask), q, k, v, causal=causal, dtype=dtype,
+                          mask=elements)
+
+
 @pytest.mark.parametrize("d", (64, 128))
 def test_same_answer_as_mma_sync_kernel(d, rng):
     """Both kernels within the error rule on one input, and close to each other."""
