@@ -93,8 +93,21 @@ def check_head_dims(q_shape, k_shape, v_shape):
     return nq, nk, d, dv
 
 
+_DTYPE_NAMES: dict = {}  # dtype object -> its NumPy name (np.dtype(t).name costs ~2 us a call)
+
+
+def _dtype_name(t) -> str:
+    try:
+        name = _DTYPE_NAMES.get(t)
+    except TypeError:  # an unhashable dtype-like: no caching
+        return np.dtype(t).name
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(t, np.dtype(t).name)
+    return name
+
+
 def check_dtypes(q_dtype, k_dtype, v_dtype) -> str:
-    names = [np.dtype(t).name for t in (q_dtype, k_dtype, v_dtype)]
+    names = [_dtype_name(t) for t in (q_dtype, k_dtype, v_dtype)]
     if len(set(names)) != 1:
         raise TypeError(f"q, k and v must share one dtype, got q {names[0]}, k {names[1]}, v {names[2]}")
     if names[0] not in _config.SUPPORTED_DTYPES:
@@ -112,8 +125,9 @@ class BatchLayout(NamedTuple):
     extra_strides: tuple = ()  # per extra tensor (dO, O in the backward), like q_strides
 
 
+@functools.lru_cache(maxsize=256)  # a training loop asks for the same few layouts every step
 def broadcast_layout(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, extras=()) -> BatchLayout:
-    """Broadcast the leading (batch) dims of q, k, v; strides are in elements.
+    """Broadcast the leading (batch) dims of q, k, v; strides are in elements (all tuples).
 
     NumPy's rules, plus grouped heads: when k/v's last leading dim Hk > 1 divides q's Hq
     (and differs), q head h reads k/v head h // (Hq // Hk). ``extras`` are (shape, strides)

@@ -44,6 +44,28 @@ def test_dtype_checks():
     assert _api.check_dtypes(np.float32, np.float32, np.float32) == "float32"
 
 
+def test_dtype_names_are_cached_per_dtype_object():
+    import ml_dtypes
+
+    for t in (np.float16, np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.float32):
+        assert _api.check_dtypes(t, t, t) == np.dtype(t).name  # first call and cached call alike
+        assert _api.check_dtypes(t, t, t) == np.dtype(t).name
+    with pytest.raises(TypeError, match="q float16, k bfloat16, v float16"):
+        _api.check_dtypes(np.float16, np.dtype(ml_dtypes.bfloat16), np.float16)
+
+
+def test_layouts_are_cached_and_bad_shapes_refused_every_time():
+    args = ((2, 8, 100, 64), (51200, 6400, 64, 1), (2, 2, 90, 64), (11520, 5760, 64, 1),
+            (2, 2, 90, 64), (11520, 5760, 64, 1))
+    first = _api.broadcast_layout(*args)
+    assert _api.broadcast_layout(*args) is first and first.kv_group == 4
+    bad = ((2, 8, 100, 64), (51200, 6400, 64, 1), (3, 2, 90, 64), (11520, 5760, 64, 1),
+           (3, 2, 90, 64), (11520, 5760, 64, 1))
+    for _ in range(2):  # a refusal is never cached as an answer
+        with pytest.raises(ValueError, match="do not broadcast"):
+            _api.broadcast_layout(*bad)
+
+
 def _contiguous_strides(shape):
     return tuple(int(s) for s in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1])
 
