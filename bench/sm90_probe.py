@@ -1,5 +1,5 @@
 """Tuning probe for the wgmma forward: forward TFLOP/s of (block_cols, stages, overlap,
-pingpong, tma, persistent[, exp emulation[, early next]]) settings
+pingpong, tma, persistent[, exp emulation[, early next[, snake]]]) settings
 of kernels/flash_fwd_sm90.cu next to the mma.sync kernel and SDPA's flash and cuDNN backends,
 in one process on one GPU (bf16, 16k tokens, hidden 2048, as cuflash-bench; --tokens for more).
 
@@ -34,12 +34,13 @@ def time_ms(fn, repeats=20):
 @contextlib.contextmanager
 def switched(hd, config):
     """The wgmma forward's table set to one probe config: (block_cols, stages, overlap, pingpong,
-    tma, persistent), a 7th number for exp emulation (every n-th tile) and an 8th for early_next."""
+    tma, persistent), a 7th number for exp emulation (every n-th tile), an 8th for early_next
+    and a 9th for snake."""
     bc, stages, *flags = config
-    emulation, early = (list(flags[4:6]) + [0, 0])[:2]
+    emulation, early, snake = (list(flags[4:7]) + [0, 0, 0])[:3]
     with _config.sm90_tiles_override({hd: (bc, stages, *map(bool, flags[:4]))}), \
             _config.sm90_exp_emulation_override({hd: emulation}), \
-            _config.sm90_early_next_override({hd: bool(early)}):
+            _config.sm90_early_next_override({hd: bool(early)}), _config.sm90_snake_override({hd: bool(snake)}):
         yield
 
 

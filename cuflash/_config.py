@@ -143,6 +143,7 @@ class HopperForward(_Launch):
     sparse: bool = False
     exp_emulation: int = 0  # > 0: every n-th accumulator tile's exponentials on the FMA pipe
     early_next: bool = False  # persistent TMA forms: the next item's K and Q load before this one ends
+    snake: bool = False  # persistent forms: every other round of items walked backwards (causal balance)
 
     source = "flash_fwd_sm90.cu"
     block_rows = 128
@@ -171,12 +172,19 @@ class HopperForward(_Launch):
         return self.early_next and self.persistent and self.tma
 
     @property
+    def walks_snake(self) -> bool:
+        """Whether snake takes effect: only a persistent grid has rounds of items."""
+        return self.snake and self.persistent
+
+    @property
     def name_expression(self) -> str:
+        # The two probe switches are trailing template arguments with defaults: left out when
+        # off, so that the dispatcher's forms keep their names (and code).
+        extra = (f", {_flag(self.loads_early)}, true" if self.walks_snake else ", true" if self.loads_early else "")
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
             f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}"
-            + (", true>" if self.loads_early else ">")
+            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}{extra}>"
         )
 
     @property
@@ -187,6 +195,7 @@ class HopperForward(_Launch):
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
             + (f"_e{self.exp_emulation}" if self.exp_emulation else "")
             + ("_n1" if self.loads_early else "")
+            + ("_z1" if self.walks_snake else "")
         )
 
 
@@ -238,6 +247,20 @@ _SM90_EARLY_NEXT = {64: False, 128: False, 256: False}
 def sm90_early_next_override(by_head_dim):
     """Temporarily replace _SM90_EARLY_NEXT entries {head_dim: bool} (tuning runs, tests)."""
     return _table_override(_SM90_EARLY_NEXT, by_head_dim)
+
+
+# Per head dim: whether the persistent forms walk every other round of items backwards
+# (snake, kernels/flash_fwd_sm90.cu's SNAKE). Also written without a GPU, so off. Counted on
+# the host for hd128 causal at seq 4096 (2048 items on 132 CTAs): in plain rounds CTA 0 takes
+# 272 key tiles and the last 240 (mean 256), so the grid runs 6% past balance; in snake order
+# every CTA takes 256 (16k: 1064 / 939 against 1003 / 1000). The causal persistent grid is
+# where the static order lost most (447 against 528 TFLOP/s at 16k).
+_SM90_SNAKE = {64: False, 128: False, 256: False}
+
+
+def sm90_snake_override(by_head_dim):
+    """Temporarily replace _SM90_SNAKE entries {head_dim: bool} (tuning runs, tests)."""
+    return _table_override(_SM90_SNAKE, by_head_dim)
 
 
 def sm90_tiles_override(tiles_by_head_dim):
@@ -294,7 +317,8 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
             persistent = nq is not None and -(-nq // HopperForward.block_rows) <= persistent
         return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse),
                              exp_emulation=_SM90_EXP_EMULATION.get(d, 0),
-                             early_next=bool(persistent and _SM90_EARLY_NEXT.get(d, False)))
+                             early_next=bool(persistent and _SM90_EARLY_NEXT.get(d, False)),
+                             snake=bool(persistent and _SM90_SNAKE.get(d, False)))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.

@@ -83,7 +83,11 @@ struct Sm90Work {
 // grid position names (causal: last query tiles first, they see the most keys). With, items
 // blockIdx.x, blockIdx.x + gridDim.x, ... of all n_q_tiles * num_batch: slices outermost so
 // that neighbouring CTAs share K and V in L2, or (causal) longest query tiles first.
-template <bool CAUSAL, bool PERSISTENT>
+// SNAKE walks every other round backwards (item gridDim.x - 1 - blockIdx.x of it): causal items
+// shrink along the list, so in plain rounds CTA 0 takes the longest item of every round (hd128
+// causal at seq 4096: 272 key tiles, the last CTA 240, the mean 256), while two rounds in
+// opposite directions even out to within one round's spread (every CTA 256).
+template <bool CAUSAL, bool PERSISTENT, bool SNAKE = false>
 __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32 i, Sm90Work& w) {
     if (!PERSISTENT) {
         w.bidx = flat_batch_index();
@@ -91,7 +95,8 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32
         return i == 0 && w.bidx < p.num_batch;
     }
     // The host runs this form only while n_q_tiles * num_batch < 2^31: 32-bit divisions.
-    const u32 item = blockIdx.x + i * gridDim.x, batches = (u32)p.num_batch;
+    const u32 slot = (SNAKE && (i & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const u32 item = slot + i * gridDim.x, batches = (u32)p.num_batch;
     if (item >= (u32)n_q_tiles * batches) return false;
     if (CAUSAL) {
         w.q_tile = n_q_tiles - 1 - (int)(item / batches);
@@ -382,7 +387,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
 // the consumers hand Q back after their last S (not after their last P V and epilogue); off,
 // Q and then K wait for the end of the item, and the ring runs dry at every item boundary.
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE, int EXP_EMU, bool EARLY_NEXT = false>
+          bool SPARSE, int EXP_EMU, bool EARLY_NEXT = false, bool SNAKE = false>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -392,6 +397,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // 128 KB of shared memory.
     static_assert(HD != 256 || (BC == 64 && STAGES == 2), "head dim 256: 64-key tiles, 2 stages");
     static_assert(!EARLY_NEXT || (PERSISTENT && TMA), "early loads of the next item: persistent TMA forms");
+    static_assert(!SNAKE || PERSISTENT, "snake order: persistent forms");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)L::bytes);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -422,7 +428,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     if (warpgroup == 0) {
         // ---- producer: per item, Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, SNAKE>(p, n_q_tiles, i, w); ++i) {
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
@@ -491,7 +497,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         if (!TMA) cp_async_wait<0>();  // nothing may be in flight when the thread exits
     } else {
         sm90::claim_registers<kConsumerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, SNAKE>(p, n_q_tiles, i, w); ++i) {
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);

@@ -71,14 +71,16 @@ def test_every_schedule(d, mode, rng):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
 
 
-@pytest.mark.parametrize("early", (False, True), ids=("ring_drains", "early_next"))
+@pytest.mark.parametrize("early, snake", ((False, False), (True, False), (False, True), (True, True)),
+                         ids=("plain", "early_next", "snake", "early_next_snake"))
 @pytest.mark.parametrize("d", (64, 128, 256))
-def test_persistent_grid_walks_many_items(d, early, rng):
+def test_persistent_grid_walks_many_items(d, early, snake, rng):
     """The persistent forms with several (query tile, slice) items a CTA, which one K/V ring and
     one Q buffer serve in turn, so that a phase or hand-off error shows only from a CTA's
     second item on (test_every_schedule's inputs give each CTA one item on an H200): four items
     a CTA, of different key-tile counts (causal, Nq < Nk), one-tile items and items with no
-    tile at all (a block mask's empty row: nothing is loaded, the rows get o = 0)."""
+    tile at all (a block mask's empty row: nothing is loaded, the rows get o = 0), in each
+    order (snake) and hand-off (early_next) the probes can pick."""
     import cupy
 
     from cuflash._api import _sm_count
@@ -92,9 +94,9 @@ def test_persistent_grid_walks_many_items(d, early, rng):
     mask = M.BlockMask.from_dense(np.array([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool), 128)
     bc, stages, overlap, pingpong, _, _ = _config._SM90_FORWARD_TILES[d]
     with _config.sm90_tiles_override({d: (bc, stages, overlap, pingpong, True, True)}), \
-            _config.sm90_early_next_override({d: early}):
+            _config.sm90_early_next_override({d: early}), _config.sm90_snake_override({d: snake}):
         variant = _config.forward_config(dtype, d, d, False, wgmma=True, nq=nq)
-        assert variant.persistent and variant.loads_early == early
+        assert variant.persistent and variant.loads_early == early and variant.walks_snake == snake
         for causal in (False, True):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
             elements = ref.element_mask(nq, nk, block_mask=mask)
