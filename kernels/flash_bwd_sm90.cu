@@ -200,17 +200,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
             const bool masked = q_tile < clean_first || q_tile > clean_last;
             const TileMask mask(band, q0, wk0, nk);
-            // A partial tile's element mask, one bit an accumulator element (bit 4 n + e): its
-            // block look-ups stay out of the loop below, whose registers S^T, dK and dV fill.
-            u32 keep = ~0u;
-            if (SPARSE && tiles.partial(t)) {
-                keep = 0u;
-#pragma unroll 1
-                for (int i = 0; i < 32; ++i) {
-                    const int ql = 8 * (i / 4) + my_col + (i & 1), kl = 16 * warp + lane / 4 + 8 * ((i % 4) / 2);
-                    if (q0 + ql < nq && wk0 + kl < nk && tiles.block_present(p, q0 + ql, wk0 + kl)) keep |= 1u << i;
-                }
-            }
+            // A partial tile's element mask: its block look-ups stay out of the loop below,
+            // whose registers S^T, dK and dV fill (rows of S^T are keys).
+            const unsigned long long keep = SPARSE && tiles.partial(t)
+                ? partial_tile_keep<1, 8, true>(p, tiles, wk0 + 16 * warp, q0, lane) : ~0ull;
 #pragma unroll
             for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -218,7 +211,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
                     float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
                     if (masked && !mask.allowed(ql, kl)) pv = 0.f;
-                    if (!((keep >> (4 * n + e)) & 1u)) pv = 0.f;
+                    if (!kept<8>(keep, 0, n, e)) pv = 0.f;
                     acc_s[n][e] = pv;
                 }
             u32 p_frag[4][4];

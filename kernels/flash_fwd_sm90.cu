@@ -197,19 +197,12 @@ struct Sm90Consumer {
                     if (!mask.allowed(lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1))) acc_s[n][e] = neg_inf();
         }
         if (SPARSE && tiles.partial(t)) {
-            // The block look-ups in a rolled loop, into one bit an accumulator element (4 n + e):
-            // unrolled over the BC / 2 elements they were most of the sparse kernels' code.
-            unsigned long long keep = 0ull;
-#pragma unroll 1
-            for (int i = 0; i < BC / 2; ++i) {
-                const i64 q = warp_q0 + lane / 4 + 8 * ((i % 4) / 2), key = k0 + (i / 4) * 8 + my_col + (i & 1);
-                if (q < p.nq && key < p.nk && tiles.block_present(p, q, key)) keep |= 1ull << i;
-            }
+            const auto keep = partial_tile_keep<1, BC / 8, false>(p, tiles, warp_q0, k0, lane);
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (!((keep >> (4 * n + e)) & 1ull)) acc_s[n][e] = neg_inf();
+                    if (!kept<BC / 8>(keep, 0, n, e)) acc_s[n][e] = neg_inf();
         }
         float tile_max[2] = {neg_inf(), neg_inf()};
 #pragma unroll

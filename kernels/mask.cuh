@@ -168,6 +168,36 @@ __device__ __forceinline__ TileList<SPARSE> query_tiles(const FwdParams& p, cons
     return TileList<SPARSE>::make(p, bidx, outer, first, end, br);
 }
 
+// A partial tile's element mask for one thread's m16n8 accumulator tiles: bit (mt NT + n) 4 + e
+// says whether the pair of element e of tile (mt, n) is in range and its block present. The
+// element's row is row0 + 16 mt + lane / 4 + 8 (e / 2), its column col0 + 8 n + 2 (lane % 4)
+// + (e & 1); rows are queries and columns keys, or the other way round with KEY_ROWS (the
+// backward key pass's S^T). The look-ups run in a rolled loop: unrolled over every element
+// inside the wgmma kernels' score loops, they were two thirds of the sparse forward's code and
+// the sparse backward key pass's 132-204 bytes of spill. (The mma.sync kernels still unroll
+// theirs: moving them here changed the code of some of their dense sm_80 variants too, which
+// a change made without a GPU must not.)
+template <int MT, int NT, bool KEY_ROWS, bool SPARSE>
+__device__ __forceinline__ unsigned long long partial_tile_keep(const FwdParams& p, const TileList<SPARSE>& tiles,
+                                                                i64 row0, i64 col0, int lane) {
+    static_assert(MT * NT * 4 <= 64, "one bit an element of at most 64");
+    unsigned long long keep = 0ull;
+#pragma unroll 1
+    for (int i = 0; i < MT * NT * 4; ++i) {
+        const int e = i % 4, n = (i / 4) % NT, mt = i / (4 * NT);
+        const i64 row = row0 + 16 * mt + lane / 4 + 8 * (e / 2), col = col0 + 8 * n + 2 * (lane % 4) + (e & 1);
+        const i64 q = KEY_ROWS ? col : row, k = KEY_ROWS ? row : col;
+        if (q < p.nq && k < p.nk && tiles.block_present(p, q, k)) keep |= 1ull << i;
+    }
+    return keep;
+}
+
+// Whether element e of accumulator tile (mt, n) is kept by a partial_tile_keep mask.
+template <int NT>
+__device__ __forceinline__ bool kept(unsigned long long keep, int mt, int n, int e) {
+    return (keep >> ((mt * NT + n) * 4 + e)) & 1ull;
+}
+
 // The whole test for one pair, for kernels that check every pair (the float32 ones).
 template <bool SPARSE>
 __device__ __forceinline__ bool pair_allowed(const FwdParams& p, const Band& band, const TileList<SPARSE>& tiles,
