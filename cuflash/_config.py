@@ -618,7 +618,7 @@ class HopperBackward(_Launch):
     # No allowance of its own: every variant spills at most 24 bytes (dense, hd128, atomic dQ).
     # The block-sparse ones at head dim 128 with atomic dQ spilled 132-204 while the partial
     # tiles' block look-ups sat inside the P^T loop (on top of dK, dV and dQ in 232 registers);
-    # they are a 32-bit mask built before it now, and spill nothing.
+    # they are a mask built before it now (partial_tile_keep, mask.cuh), and spill 0-16.
 
     @property
     def head_dim_v(self) -> int:
