@@ -98,6 +98,37 @@ def serializes_wgmma(report: dict) -> bool:
     return any(code in SERIALIZED_WGMMA for code in report["wgmma_notes"])
 
 
+def _whole_elf(cubin: bytes) -> bytes:
+    """CuPy's getCUBIN drops the image's last byte (it treats the image like a C string), which
+    cuts the ELF's program-header table short; pad the image to the size its header gives."""
+    import struct
+
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    size = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + bytes(max(0, size - len(cubin)))
+
+
+def nvrtc_build(text: str, name: str, name_expressions, options, want_cubin: bool = False):
+    """Build one program with NVRTC alone (no GPU, no driver): (log, {lowered name:
+    expression}, cubin or None). Raises RuntimeError with NVRTC's log on a compile error."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(text, name, [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except Exception as exc:  # NVRTCError carries only the status; the log has the reason
+            raise RuntimeError(f"NVRTC failed for {name}:\n{nvrtc.getProgramLog(prog)}") from exc
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in name_expressions}
+        return log, lowered, _whole_elf(nvrtc.getCUBIN(prog)) if want_cubin else None
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def compile_offline(source: str, name_expressions, arch: str):
     """Compile variants of one source for ``arch`` (e.g. 'sm_80', 'sm_90a') with NVRTC alone.
 
@@ -105,21 +136,8 @@ def compile_offline(source: str, name_expressions, arch: str):
     'wgmma_notes'}} (wgmma_notes: the codes of ptxas's wgmma performance notes, such as
     SERIALIZED_WGMMA); raises RuntimeError with NVRTC's log on a compile error.
     """
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(read_source(source), source, [], [])
-    try:
-        for expr in name_expressions:
-            nvrtc.addNameExpression(prog, expr)
-        options = list(base_options()) + [f"-arch={arch}", "--ptxas-options=-v"]
-        try:
-            nvrtc.compileProgram(prog, options)
-        except Exception as exc:  # NVRTCError carries only the status; the log has the reason
-            raise RuntimeError(f"NVRTC failed for {source} ({arch}):\n{nvrtc.getProgramLog(prog)}") from exc
-        log = nvrtc.getProgramLog(prog)
-        lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in name_expressions}
-    finally:
-        nvrtc.destroyProgram(prog)
+    options = list(base_options()) + [f"-arch={arch}", "--ptxas-options=-v"]
+    log, lowered, _ = nvrtc_build(read_source(source), f"{source} ({arch})", name_expressions, options)
     report, current = {}, None
     notes = {}
     for line in log.replace("\0", "").splitlines():

@@ -30,7 +30,6 @@ import difflib
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tarfile
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cuflash import _config  # noqa: E402  (after the path set-up)
+from cuflash import _config, _loader  # noqa: E402  (after the path set-up)
 
 # "/*0a70*/  HMMA.16816.F32.BF16 R24, R4.reuse, R28, R24 ;  /* 0x... */": the instruction only.
 _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
@@ -88,33 +87,16 @@ def export_kernels(rev: str, into: Path) -> Path:
     return into / "kernels"
 
 
-def whole_elf(cubin: bytes) -> bytes:
-    """CuPy's getCUBIN drops the image's last byte (it treats the image like a C string), which
-    cuts the ELF's program-header table short; pad the image to the size its header gives."""
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    size = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + bytes(max(0, size - len(cubin)))
-
-
 def compile_cubin(kernel_dir: str, source: str, expressions, arch: str):
     """(cubin, {lowered name: expression}) for variants of one source, or (None, NVRTC's log)."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram((Path(kernel_dir) / source).read_text(), source, [], [])
+    # The source hash only keys CuPy's disk cache; one value keeps the two builds alike.
+    options = ["-std=c++17", f"-I{kernel_dir}", "-DCUFLASH_SRC_HASH=0", f"-arch={arch}"]
     try:
-        for expr in expressions:
-            nvrtc.addNameExpression(prog, expr)
-        # The source hash only keys CuPy's disk cache; one value keeps the two builds alike.
-        options = ["-std=c++17", f"-I{kernel_dir}", "-DCUFLASH_SRC_HASH=0", f"-arch={arch}"]
-        try:
-            nvrtc.compileProgram(prog, options)
-        except Exception:  # NVRTCError carries only the status; the log has the reason
-            return None, nvrtc.getProgramLog(prog)
-        lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in expressions}
-        return whole_elf(nvrtc.getCUBIN(prog)), lowered
-    finally:
-        nvrtc.destroyProgram(prog)
+        _, lowered, cubin = _loader.nvrtc_build((Path(kernel_dir) / source).read_text(), source, expressions,
+                                                options, want_cubin=True)
+    except RuntimeError as exc:
+        return None, str(exc)
+    return cubin, lowered
 
 
 def sass_by_function(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> dict:

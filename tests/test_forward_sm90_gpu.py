@@ -92,6 +92,7 @@ def test_persistent_grid_walks_many_items(d, early, snake, rng):
     q = random_array(rng, (1, heads, nq, d), dtype)
     k, v = (random_array(rng, (1, heads, nk, d), dtype) for _ in range(2))
     mask = M.BlockMask.from_dense(np.array([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool), 128)
+    elements = ref.element_mask(nq, nk, block_mask=mask)
     bc, stages, overlap, pingpong, _, _ = _config._SM90_FORWARD_TILES[d]
     with _config.sm90_tiles_override({d: (bc, stages, overlap, pingpong, True, True)}), \
             _config.sm90_early_next_override({d: early}), _config.sm90_snake_override({d: snake}):
@@ -99,7 +100,6 @@ def test_persistent_grid_walks_many_items(d, early, snake, rng):
         assert variant.persistent and variant.loads_early == early and variant.walks_snake == snake
         for causal in (False, True):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
-            elements = ref.element_mask(nq, nk, block_mask=mask)
             check_forward(run(q, k, v, causal=causal, block_mask=mask), q, k, v, causal=causal, dtype=dtype,
                           mask=elements)
 
