@@ -21,6 +21,7 @@ import typing
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8  # one 16-byte vector of a 16-bit type
+MAX_LEAD_DIMS = 4  # leading (batch) dims a launch takes after merging (kMaxLead in kernels/common.cuh)
 # Head dims are rounded up to one of these buckets; padded columns are zero-filled on load.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 SMEM_PAD = 8  # elements of padding per shared-memory row (kSmemPad in flash_fwd.cu)
@@ -269,16 +270,23 @@ def sm90_tiles_override(tiles_by_head_dim):
     return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)
 
 
+# Bumped whenever a switch or a table override changes what the dispatcher picks: cached
+# launch plans (cuflash/_plan.py) carry the generation they were built in.
+GENERATION = [0]
+
+
 @contextlib.contextmanager
 def _switched(switch: list, enabled):
     """Temporarily set a module switch (a one-element list; None where the switch has a
     per-head-dim default)."""
     saved = switch[0]
     switch[0] = None if enabled is None else bool(enabled)
+    GENERATION[0] += 1
     try:
         yield
     finally:
         switch[0] = saved
+        GENERATION[0] += 1
 
 
 def wgmma_forward(enabled: bool):
@@ -303,18 +311,26 @@ _TC_FORWARD_TILES = {
 
 
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
-                   wgmma: bool = False, nq: typing.Optional[int] = None):
+                   wgmma: bool = False, nq: typing.Optional[int] = None, tma: bool = True,
+                   slices: int = 1):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
     (used by tuning runs). ``sparse``: the launch walks block-sparse tile lists. ``wgmma``: the
     GPU has wgmma (:func:`has_wgmma`); head dims 64 and 128 (d = dv) then run on it. ``nq``:
-    the query length, which picks the wgmma forward's persistent form or not.
+    the query length, which picks the wgmma forward's persistent form or not. ``tma``: whether
+    the copy engine can map q, k and v (else the wgmma forward loads with cp.async).
+    ``slices``: the launch's (batch..., head) slices; a persistent grid counts its items
+    (query tiles x slices) in 32 bits, so past 2^31 items it runs one item a CTA.
     """
     if wgmma and tiles is None and _wgmma_forward[0] and dtype in _TYPE_TAG and d == dv and d in _SM90_FORWARD_TILES:
         *schedule, persistent = _SM90_FORWARD_TILES[d]
+        q_tiles = None if nq is None else -(-nq // HopperForward.block_rows)
         if not isinstance(persistent, bool):
-            persistent = nq is not None and -(-nq // HopperForward.block_rows) <= persistent
+            persistent = q_tiles is not None and q_tiles <= persistent
+        if q_tiles is not None and q_tiles * slices >= 2**31:
+            persistent = False
+        schedule[-1] = schedule[-1] and bool(tma)  # the tma field, last of the schedule
         return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse),
                              exp_emulation=_SM90_EXP_EMULATION.get(d, 0),
                              early_next=bool(persistent and _SM90_EARLY_NEXT.get(d, False)),
@@ -362,11 +378,13 @@ def _table_override(table, entries):
     """Temporarily update a tile table (for tuning runs that compare tiles in one process)."""
     saved = dict(table)
     table.update(entries)
+    GENERATION[0] += 1
     try:
         yield
     finally:
         table.clear()
         table.update(saved)
+        GENERATION[0] += 1
 
 
 def forward_tiles_override(tiles_by_bucket):
@@ -762,7 +780,8 @@ def all_variants(hopper: bool = True, wgmma: typing.Optional[bool] = None):
     """Every kernel variant the dispatcher can launch on a GPU of that kind, forward and backward.
     ``wgmma`` defaults to ``hopper``."""
     wgmma = hopper if wgmma is None else wgmma
-    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma)
+    reduces = [GradientReduce(dtype) for dtype in SUPPORTED_DTYPES]
+    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma) + reduces
 
 
 def variants_for(arch: str):
@@ -783,3 +802,26 @@ def has_wgmma(arch: str) -> bool:
 def is_hopper(arch: str) -> bool:
     """'sm_90a' / '90' (compute capability) -> True; 'sm_80' / '86' -> False."""
     return _capability(arch) >= 90
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReduce(_Launch):
+    """The backward's last step for float32 accumulators (kernels/grad_reduce.cu): sums the
+    slices of grouped heads (1 for dQ) and stores the gradient in the input dtype."""
+
+    dtype: str
+    warps: int = 8
+
+    source = "grad_reduce.cu"
+    elements_per_thread = 4  # one float4 a step
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"cuflash::grad_reduce_kernel<{_TAG_WITH_FLOAT[self.dtype]}>"
+
+    @property
+    def key(self) -> str:
+        return f"grad_reduce_{self.dtype}"

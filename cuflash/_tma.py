@@ -19,7 +19,6 @@ import math
 import struct
 from typing import Optional
 
-import numpy as np
 
 _UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: bf16 and fp16 are copied as 16-bit words
 _INTERLEAVE_NONE = 0
@@ -76,38 +75,18 @@ def encode(ptr: int, cols: int, rows: int, row_stride: int, stride: int, count: 
 
 
 # struct Sm90Maps in kernels/sm90.cuh: three maps, then the three slice strides (elements).
-_SLICE_FORMAT = "<qqq"
+SLICE_FORMAT = "<qqq"
 PARAM_BYTES = 448  # 3 * 128 + 24, rounded up to the struct's 64-byte alignment
 
 
-def forward_maps(q, k, v, nq: int, nk: int, d: int, layout, row_strides, block_rows: int,
-                 block_cols: int) -> Optional[np.void]:
-    """struct Sm90Maps for one forward launch, or None when any of q, k, v cannot be mapped."""
-    return _forward_maps((q.data.ptr, k.data.ptr, v.data.ptr), nq, nk, d, layout.lead_shape,
-                         (layout.q_strides, layout.k_strides, layout.v_strides), layout.kv_group,
-                         tuple(row_strides), block_rows, block_cols)
-
-
-# A map depends only on these numbers (a pointer and a geometry), so maps are kept for the
-# next call with the same buffers, as a training loop's memory pool hands out again: the
-# three driver calls cost more host time than the rest of a launch.
-@functools.lru_cache(maxsize=256)
-def _forward_maps(ptrs, nq, nk, d, lead_shape, lead_strides, kv_group, row_strides, block_rows,
-                  block_cols) -> Optional[np.void]:
-    raws, slices = [], []
-    for ptr, n, strides, group, box in ((ptrs[0], nq, lead_strides[0], 1, block_rows),
-                                        (ptrs[1], nk, lead_strides[1], kv_group, block_cols),
-                                        (ptrs[2], nk, lead_strides[2], kv_group, block_cols)):
-        stride, count = slice_stride(lead_shape, strides, group)
-        raw = encode(ptr, d, n, row_strides[len(raws)], stride, count, box)
-        if raw is None:
-            return None
-        raws.append(raw)
-        slices.append(stride)
-    payload = b"".join(raws) + struct.pack(_SLICE_FORMAT, *slices)
-    return np.void(payload + bytes(PARAM_BYTES - len(payload)))
-
-
-def empty_maps() -> np.void:
-    """Sm90Maps for the cp.async variant, which never reads it."""
-    return np.void(bytes(PARAM_BYTES))
+def geometries(nq: int, nk: int, d: int, layout, row_strides, block_rows: int, block_cols: int) -> tuple:
+    """The arguments of ``encode`` after the pointer, for q, k and v of one forward launch:
+    (cols, rows, row_stride, slice stride, slice count, box rows). They depend on the call's
+    signature only; cuflash/_plan.py keeps them with the launch plan."""
+    out = []
+    for n, strides, group, box, row_stride in ((nq, layout.q_strides, 1, block_rows, row_strides[0]),
+                                               (nk, layout.k_strides, layout.kv_group, block_cols, row_strides[1]),
+                                               (nk, layout.v_strides, layout.kv_group, block_cols, row_strides[2])):
+        stride, count = slice_stride(layout.lead_shape, strides, group)
+        out.append((d, n, row_stride, stride, count, box))
+    return tuple(out)

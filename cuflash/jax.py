@@ -5,9 +5,12 @@
     o = cuflash.jax.attention(q, k, v, block_mask=cuflash.masks.butterfly(32), window=(512, 0))
 
 The kernels run inside XLA's own execution through ``jax.experimental.buffer_callback``: the
-callback gets XLA's device buffers and its CUDA stream, reads the inputs in place, runs
-cuflash on that stream and copies the results into XLA's output buffers (a device-to-device
-copy of o or of the gradients, small next to the attention itself).  The gradient is a
+callback gets XLA's device buffers and its CUDA stream, looks up the launch plan of the call's
+shapes (cuflash/_plan.py) and launches it on that stream, reading the inputs in place and
+writing o, l, m and the gradients straight into XLA's output buffers. jaxlib offers no stable
+way to launch run-time compiled GPU code from a custom call without Python: its FFI needs a
+handler compiled ahead of time, and the Triton custom call is internal; so each call costs one
+Python callback.  The gradient is a
 ``jax.custom_vjp`` whose backward pass is cuflash's FlashAttention backward.  ``jax.vmap``
 works too (the forward batches natively, the backward broadcasts its unbatched operands).
 
@@ -25,65 +28,96 @@ from jax.experimental.buffer_callback import buffer_callback
 
 import cuflash as _cf
 
-from . import _api, reference
+from . import _api, _broadcast, _checks, _plan
 
 __all__ = ["attention"]
 
 
-class _StreamHandle:
-    """XLA's stream pointer dressed in the CUDA stream protocol, for Stream.from_external."""
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
+def _pointer(buf) -> int:
+    return buf.__cuda_array_interface__["data"][0]
 
 
-def _cupy_stream(ptr, device):
+def _contiguous(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=16)
+def _cupy_stream(ptr: int, device: int):
+    """CuPy's view of XLA's stream (kept: XLA runs a computation on few streams)."""
     import cupy
 
-    if hasattr(cupy.cuda.Stream, "from_external"):
-        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device)  # CuPy < 14
+    return cupy.cuda.ExternalStream(ptr, device)
 
 
-def _as_cupy(buf, device):
-    """A CuPy view of an XLA buffer (row-major, as XLA lays out custom-call operands).
+# XLA lays out a custom call's operands row-major, so shapes, dtype and device are the whole
+# signature of a call: (shapes, dtype, device, options) -> launch plan.
+_plans: dict = {}
 
-    Built from the raw pointer rather than through DLPack or cupy.asarray: XLA describes
-    bfloat16 in __cuda_array_interface__ as raw bytes ('<V2'), and marks input capsules
-    read-only. ``buf.dtype`` is the real NumPy dtype (ml_dtypes' bfloat16).
-    """
+
+def _forward_plan(q, k, v, device, options):
+    key = (q.shape, k.shape, v.shape, q.dtype, device, options)
+    plan = _plans.get(key)
+    if plan is None:
+        causal, scale, mask, window = options
+        dtype = _checks.dtype_name(q.dtype)
+        plan = _plan.forward_plan(
+            tuple(q.shape), _contiguous(q.shape), tuple(k.shape), _contiguous(k.shape), tuple(v.shape),
+            _contiguous(v.shape), dtype, device, causal, scale, mask, window,
+            (_pointer(q), _pointer(k), _pointer(v)))
+        _plans[key] = plan
+    return plan
+
+
+def _backward_plan(args, device, options, deterministic):
+    key = tuple(a.shape for a in args) + (args[1].dtype, device, options, deterministic)
+    plan = _plans.get(key)
+    if plan is None:
+        causal, scale, mask, window = options
+        main = (args[0], args[1], args[2], args[3], args[4])
+        stats = tuple((tuple(x.shape), _contiguous(x.shape), "float32") for x in args[5:])
+        plan = _plan.backward_plan(
+            tuple(tuple(x.shape) for x in main), tuple(_contiguous(x.shape) for x in main),
+            _checks.dtype_name(args[1].dtype), stats, device, causal, scale, mask, window,
+            deterministic, tuple(_pointer(x) for x in main))
+        _plans[key] = plan
+    return plan
+
+
+def _device_of(buf) -> int:
+    return int(buf.__dlpack_device__()[1])
+
+
+def _run_forward(ctx, outs, q, k, v, options):
+    plan = _forward_plan(q, k, v, _device_of(outs[0]), options)
+    o, l, m = outs
+    plan.run(_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m), ctx.stream)
+
+
+def _run_backward(ctx, outs, args, options, deterministic):
+    """Gradients straight into XLA's output buffers; the workspace comes from CuPy's pool on
+    XLA's stream (freed blocks are handed out again only for work queued after them there)."""
     import cupy
 
-    dtype = np.dtype(buf.dtype)
-    ptr = buf.__cuda_array_interface__["data"][0]
-    nbytes = math.prod(buf.shape) * dtype.itemsize
-    memory = cupy.cuda.UnownedMemory(ptr, nbytes, buf, device)
-    return cupy.ndarray(tuple(buf.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
-
-
-def _launch(ctx, outs, fn, args, kwargs):
-    """Run ``fn(*args, **kwargs)`` on XLA's stream and copy its results into ``outs``.
-
-    Inputs are only read: XLA may share them with other operations.
-    """
-    import cupy
-
-    device = int(outs[0].__dlpack_device__()[1])
-    with cupy.cuda.Device(device):
-        # Made after selecting the device: Stream.from_external records the current one.
-        stream = _cupy_stream(ctx.stream, device)
-        with stream:
-            results = fn(*(_as_cupy(a, device) for a in args), **kwargs)
-            for out, result in zip(outs, results):
-                result = cupy.ascontiguousarray(result)
-                if result.nbytes:
-                    dst = _as_cupy(out, device)
-                    dst.data.copy_from_device_async(result.data, result.nbytes, stream)
-    # The temporaries return to CuPy's pool now; the pool hands them out again only for work
-    # on this same stream, after the kernels and copies queued above.
+    device = _device_of(outs[0])
+    plan = _backward_plan(args, device, options, deterministic)
+    with cupy.cuda.Device(device), _cupy_stream(ctx.stream, device):
+        workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
+        base = 0 if workspace is None else workspace.ptr
+        grads = [0 if g.kind == "generic" else _pointer(out) for g, out in zip(plan.grads, outs)]
+        plan.run(*(_pointer(a) for a in args), *grads, base, ctx.stream)
+        for g, out in zip(plan.grads, outs):
+            if g.kind == "generic":  # broadcast inputs: summed back by CuPy, copied into XLA's buffer
+                acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
+                grad = _broadcast.reduce_to(acc, plan.out_lead, g.shape, g.group,
+                                            lambda x, axes: x.sum(axis=axes, keepdims=True))
+                grad = cupy.ascontiguousarray(grad.astype(np.dtype(out.dtype)))
+                if grad.nbytes:
+                    cupy.cuda.runtime.memcpyAsync(_pointer(out), grad.data.ptr, grad.nbytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToDevice, ctx.stream)
 
 
 # The static options of a call: causal, scale, block_mask (a cuflash.masks.BlockMask or None;
@@ -95,31 +129,31 @@ _CALLBACKS_KEPT = 64
 
 @functools.lru_cache(maxsize=_CALLBACKS_KEPT)
 def _forward_callback(causal, scale, block_mask, window):
-    options = dict(causal=causal, scale=scale, block_mask=block_mask, window=window)
+    options = (causal, scale, block_mask, window)
 
     def callback(ctx, outs, q, k, v):
-        _launch(ctx, outs, _cf.attention, (q, k, v), options)
+        _run_forward(ctx, outs, q, k, v, options)
 
     return callback
 
 
 @functools.lru_cache(maxsize=_CALLBACKS_KEPT)
 def _backward_callback(causal, scale, block_mask, window, deterministic):
-    options = dict(causal=causal, scale=scale, block_mask=block_mask, window=window, deterministic=deterministic)
+    options = (causal, scale, block_mask, window)
 
-    def callback(ctx, outs, do, q, k, v, o, l, m):
-        _launch(ctx, outs, _cf.attention_backward, (do, q, k, v, o, l, m), options)
+    def callback(ctx, outs, *args):
+        _run_backward(ctx, outs, args, options, deterministic)
 
     return callback
 
 
 def _check(q, k, v, scale, block_mask, window):
     """Trace-time validation: errors surface at the call site, not inside XLA's callback."""
-    _api.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _api.check_head_dims(q.shape, k.shape, v.shape)
-    _api._resolve_scale(scale, q.shape[-1])
-    lead = reference.broadcast_plan(q.shape, k.shape, v.shape).batch_shape
-    _api.check_sparsity(block_mask, None, window, q.shape[-2], k.shape[-2], lead)
+    _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+    _checks.check_head_dims(q.shape, k.shape, v.shape)
+    _checks.resolve_scale(scale, q.shape[-1])
+    lead = _broadcast.out_lead_shape(q.shape, k.shape, v.shape)
+    _checks.check_sparsity(block_mask, None, window, q.shape[-2], k.shape[-2], lead)
     return lead
 
 

@@ -7,8 +7,10 @@
 Both passes are registered as custom operators (``torch.ops.cuflash.attention_fwd`` and
 ``torch.ops.cuflash.attention_bwd``) with fake (meta) implementations and an autograd
 formula, so they work under ``torch.compile(fullgraph=True)``, ``torch.export`` and
-``torch.library.opcheck``.  The kernels run on torch's current stream of the inputs' device
-and allocate their outputs (and any scratch space) through torch's caching allocator.
+``torch.library.opcheck``; eager calls go through an ``autograd.Function`` straight to the same
+launch plans (cuflash/_plan.py), skipping the operators' dispatch.  The kernels run on torch's
+current stream of the inputs' device; outputs and scratch space come from torch's caching
+allocator, so the calls are capturable in CUDA graphs.
 """
 
 import collections
@@ -17,9 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-import cuflash as _cf
-
-from . import _views
+from . import _broadcast, _checks, _config, _plan
 from ._api import NO_WINDOW, AttentionOutput, as_block_mask, window_option
 from .masks import BlockMask
 
@@ -27,45 +27,8 @@ __all__ = ["attention"]
 
 
 def _out_lead_shape(q_shape, k_shape, v_shape):
-    """Leading dims of o, l, m: cuflash's broadcasting with grouped heads.
-
-    torch.broadcast_shapes (not NumPy's) so that fake tensors with symbolic sizes work.
-    """
-    lq = tuple(q_shape[:-2])
-    lkv = tuple(torch.broadcast_shapes(tuple(k_shape[:-2]), tuple(v_shape[:-2])))
-    if lq and lkv:
-        hq, hk = lq[-1], lkv[-1]
-        if hk > 1 and hk != hq and hq % hk == 0:  # grouped heads: k/v head h serves h*g..h*g+g-1
-            lkv = lkv[:-1] + (hq,)
-    return tuple(torch.broadcast_shapes(lq, lkv))
-
-
-def _cupy_stream(device):
-    import cupy
-
-    stream = torch.cuda.current_stream(device)
-    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
-        return cupy.cuda.Stream.from_external(stream)
-    return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
-
-
-def _torch_allocator(device):
-    """A CuPy allocator handing out torch caching-allocator memory on ``device``.
-
-    With it, cuflash's outputs live in torch's pool (no second cache competing for GPU memory,
-    counted by torch.cuda.memory_allocated) and follow torch's stream semantics: allocated on
-    the current stream, which is where the kernels run.
-    """
-    import cupy
-
-    def allocate(nbytes):
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        # The UnownedMemory holds ``buf``: the block returns to torch when CuPy lets go of it.
-        return cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(buf.data_ptr(), nbytes, buf, device.index), 0
-        )
-
-    return allocate
+    """Leading dims of o, l, m (torch.broadcast_shapes: fake tensors' sizes may be symbolic)."""
+    return _broadcast.out_lead_shape(q_shape, k_shape, v_shape, torch.broadcast_shapes)
 
 
 def _check_cuda(*tensors):
@@ -79,18 +42,83 @@ def _check_cuda(*tensors):
     return device
 
 
-def _run(device, fn, *tensors, **kwargs):
-    """Call ``fn`` on CuPy views of ``tensors`` on torch's stream; results back as tensors."""
-    import cupy
+try:  # the raw handle of torch's current stream, without building a torch.cuda.Stream
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older or newer torch
+    def _raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
 
-    with cupy.cuda.Device(device.index), cupy.cuda.using_allocator(_torch_allocator(device)):
-        with _cupy_stream(device):  # made inside Device(): from_external records the current one
-            # The kernels run on torch's current stream, so the inputs need no stream
-            # hand-off: direct views (cuflash/_views.py), not DLPack's costlier exchange.
-            results = fn(*(_views.torch_view(t, same_stream=True) for t in tensors), **kwargs)
-            # .contiguous() is a no-op for cuflash's fresh outputs; it pins the layout to the
-            # one the fake implementations promise.
-            return tuple(torch.from_dlpack(r).contiguous() for r in results)
+
+# (shapes, strides, dtypes, devices, options) -> launch plan, for calls that repeat a signature.
+_forward_calls: dict = {}
+_backward_calls: dict = {}
+
+
+def _remember(cache, key, plan):
+    if len(cache) >= _plan._MAX_PLANS:
+        cache.pop(next(iter(cache)))
+    cache[key] = plan
+
+
+def _forward_impl(q, k, v, causal, scale, mask, window):
+    """o, l, m of cuflash's forward on torch's current stream; outputs from torch's allocator."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, causal, scale, mask, window, _config.GENERATION[0])
+    plan = _forward_calls.get(key)
+    if plan is None:
+        device = _check_cuda(q, k, v)
+        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+        plan = _plan.forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
+                                  dtype, device.index, causal, scale, mask, window,
+                                  (q.data_ptr(), k.data_ptr(), v.data_ptr()))
+        _remember(_forward_calls, key, plan)
+    device = q.device
+    o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
+    l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
+    m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
+    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+             _raw_stream(device.index))
+    return o, l, m
+
+
+def _sum_keeping(x, axes):
+    return x.sum(dim=axes, keepdim=True)
+
+
+def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic):
+    # The incoming gradient's layout is autograd's choice, not the user's: e.g. the gradient
+    # of o.sum() is an expanded (stride-0) tensor, which cuflash cannot read. Copy then.
+    if not _kernel_readable(do):
+        do = do.contiguous()
+    tensors = (do, q, k, v, o, l, m)
+    key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
+        causal, scale, mask, window, deterministic, _config.GENERATION[0])
+    plan = _backward_calls.get(key)
+    if plan is None:
+        device = _check_cuda(*tensors)
+        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+        _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
+        main = (do, q, k, v, o)
+        stats = tuple((tuple(t.shape), t.stride(), _checks.dtype_name(t.dtype)) for t in (l, m))
+        plan = _plan.backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main), dtype,
+                                   stats, device.index, causal, scale, mask, window, deterministic,
+                                   tuple(t.data_ptr() for t in main))
+        _remember(_backward_calls, key, plan)
+    device = q.device
+    grads = [None if g.kind == "generic" else torch.empty(g.shape, dtype=q.dtype, device=device)
+             for g in plan.grads]
+    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device) if plan.workspace_bytes else None
+    base = 0 if workspace is None else workspace.data_ptr()
+    plan.run(do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+             *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index))
+    for index, g in enumerate(plan.grads):
+        if g.kind == "generic":  # broadcast inputs: summed back by torch
+            count = 1
+            for n in g.acc_shape:
+                count *= n
+            acc = workspace[g.offset:g.offset + 4 * count].view(torch.float32).view(g.acc_shape)
+            grads[index] = _broadcast.reduce_to(acc, plan.out_lead, g.shape, g.group, _sum_keeping).to(q.dtype)
+    return tuple(grads)
 
 
 # ---- block masks through the operators -----------------------------------------------------
@@ -122,10 +150,10 @@ def _mask_token(mask: Optional[BlockMask]) -> Optional[int]:
     return mask.token
 
 
-def _sparsity(block_mask: Optional[int], window_left: int, window_right: int) -> dict:
-    """cuflash.attention's keyword arguments for the operators' mask token and window."""
+def _sparsity(block_mask: Optional[int], window_left: int, window_right: int):
+    """(BlockMask or None, window or None) for the operators' mask token and window."""
     mask = None if block_mask is None else BlockMask.from_token(block_mask)
-    return dict(block_mask=mask, window=(window_left, window_right))
+    return mask, window_option((window_left, window_right))
 
 
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=(), device_types="cuda")
@@ -139,9 +167,8 @@ def _attention_fwd(
     window_left: int = -1,
     window_right: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    device = _check_cuda(q, k, v)
-    return _run(device, _cf.attention, q, k, v, causal=causal, scale=scale,
-                **_sparsity(block_mask, window_left, window_right))
+    mask, window = _sparsity(block_mask, window_left, window_right)
+    return _forward_impl(q, k, v, causal, scale, mask, window)
 
 
 @_attention_fwd.register_fake
@@ -181,18 +208,10 @@ def _attention_bwd(
     window_left: int = -1,
     window_right: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    device = _check_cuda(do, q, k, v, o, l, m)
-    # The incoming gradient's layout is autograd's choice, not the user's: e.g. the gradient
-    # of o.sum() is an expanded (stride-0) tensor, which cuflash cannot read. Copy then.
-    if not _kernel_readable(do):
-        do = do.contiguous()
-    l, m = l.contiguous(), m.contiguous()  # no-ops for the forward's own outputs
-    return _run(
-        device, _cf.attention_backward, do, q, k, v, o, l, m,
-        causal=causal, scale=scale, **_sparsity(block_mask, window_left, window_right),
-        # torch.use_deterministic_algorithms(True) selects the bit-reproducible backward.
-        deterministic=torch.are_deterministic_algorithms_enabled(),
-    )
+    mask, window = _sparsity(block_mask, window_left, window_right)
+    # torch.use_deterministic_algorithms(True) selects the bit-reproducible backward.
+    return _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window,
+                          torch.are_deterministic_algorithms_enabled())
 
 
 @_attention_bwd.register_fake
@@ -261,7 +280,35 @@ def attention(
     gradients.
     """
     mask = as_block_mask(block_mask, block_size)
-    left, right = window_option(window) or NO_WINDOW
-    o, l, m = _attention_fwd(q, k, v, bool(causal), None if scale is None else float(scale),
-                             _mask_token(mask), left, right)
+    window = window_option(window)
+    causal, scale = bool(causal), None if scale is None else float(scale)
+    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        # Traced (torch.compile, torch.export) or a tensor subclass: the custom operators.
+        left, right = window or NO_WINDOW
+        o, l, m = _attention_fwd(q, k, v, causal, scale, _mask_token(mask), left, right)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, l, m = _EagerAttention.apply(q, k, v, causal, scale, mask, window)
+    else:
+        o, l, m = _forward_impl(q, k, v, causal, scale, mask, window)
     return AttentionOutput(o, l, m) if return_stats else o
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager calls run the same kernels without the dispatcher's per-call cost of a custom
+    operator (tens of microseconds); torch.compile traces the operators above instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, mask, window):
+        o, l, m = _forward_impl(q, k, v, causal, scale, mask, window)
+        ctx.save_for_backward(q, k, v, o, l, m)
+        ctx.options = (causal, scale, mask, window)
+        # l and m are softmax statistics, returned for inspection; no gradient flows through them.
+        ctx.mark_non_differentiable(l, m)
+        return o, l, m
+
+    @staticmethod
+    def backward(ctx, do, _dl, _dm):
+        q, k, v, o, l, m = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(do, q, k, v, o, l, m, *ctx.options,
+                                    torch.are_deterministic_algorithms_enabled())
+        return dq, dk, dv, None, None, None, None

@@ -73,7 +73,7 @@ def test_value_dim_differs(dtype, d, dv, rng):
 def test_broadcast_and_grouped_heads_sum_back(dtype, q_shape, kv_shape, rng):
     import cuflash
 
-    out_lead = cuflash._api.broadcast_layout(q_shape, (0,) * len(q_shape), kv_shape, (0,) * len(kv_shape),
+    out_lead = cuflash._broadcast.broadcast_layout(q_shape, (0,) * len(q_shape), kv_shape, (0,) * len(kv_shape),
                                              kv_shape, (0,) * len(kv_shape)).out_lead_shape
     q, k, v, do = random_problem(rng, q_shape, kv_shape, 64, dtype, out_lead=out_lead)
     for causal in (False, True):

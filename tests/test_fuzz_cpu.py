@@ -12,7 +12,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cuflash import _api, _config, masks  # noqa: E402
+from cuflash import _api, _broadcast, _checks, _config, masks  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
 from fuzz_strategies import SEEDS, element_mask_of, fuzz_settings, lead_dims, sparsity  # noqa: E402
 
@@ -94,10 +94,10 @@ def test_head_dim_checks_accept_exactly_the_supported_shapes(d, dv, data):
         return x % _config.HEAD_DIM_MULTIPLE == 0 and _config.HEAD_DIM_MULTIPLE <= x <= _config.MAX_HEAD_DIM
 
     if dk == d and nv == nk and supported(d) and supported(dv):
-        assert _api.check_head_dims(*shapes) == (nq, nk, d, dv)
+        assert _checks.check_head_dims(*shapes) == (nq, nk, d, dv)
     else:
         with pytest.raises(ValueError) as error:
-            _api.check_head_dims(*shapes)
+            _checks.check_head_dims(*shapes)
         assert any(str(s) in str(error.value) for s in shapes), "the message quotes a shape"
 
 
@@ -105,10 +105,10 @@ def test_head_dim_checks_accept_exactly_the_supported_shapes(d, dv, data):
 @given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5)))
 def test_scale_must_be_finite_and_positive(scale):
     if math.isfinite(scale) and scale > 0:
-        assert _api._resolve_scale(scale, 64) == float(scale)
+        assert _checks.resolve_scale(scale, 64) == float(scale)
     else:
         with pytest.raises(ValueError, match="scale must be finite and positive"):
-            _api._resolve_scale(scale, 64)
+            _checks.resolve_scale(scale, 64)
 
 
 @st.composite
@@ -158,15 +158,15 @@ def test_batch_layout_addresses_what_the_reference_broadcasts(tensors, data):
         plan = ref.broadcast_plan(q_shape, k_shape, v_shape)
     except ValueError:
         with pytest.raises(ValueError, match="do not broadcast"):
-            _api.broadcast_layout(q_shape, q_str + (8, 1), k_shape, k_str + (8, 1), v_shape, v_str + (8, 1))
+            _broadcast.broadcast_layout(q_shape, q_str + (8, 1), k_shape, k_str + (8, 1), v_shape, v_str + (8, 1))
         return
     out_lead = plan.batch_shape
     do_str = tuple(data.draw(st.integers(1, 5000)) for _ in out_lead)
     try:
-        layout = _api.broadcast_layout(q_shape, q_str + (8, 1), k_shape, k_str + (8, 1), v_shape, v_str + (8, 1),
+        layout = _broadcast.broadcast_layout(q_shape, q_str + (8, 1), k_shape, k_str + (8, 1), v_shape, v_str + (8, 1),
                                        extras=((out_lead + (5, 8), do_str + (8, 1)),))
     except ValueError as error:
-        assert f"at most {_api.MAX_LEAD_DIMS} leading dims" in str(error)
+        assert f"at most {_config.MAX_LEAD_DIMS} leading dims" in str(error)
         return
     assert layout.out_lead_shape == out_lead
     assert layout.kv_group == plan.group_size

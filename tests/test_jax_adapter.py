@@ -232,7 +232,7 @@ def test_block_mask_shapes_without_a_gpu():
     import cuflash
 
     blocks = mask.to_dense()
-    assert cuflash._api.as_block_mask(blocks, (64, 32)) is cuflash._api.as_block_mask(blocks.copy(), (64, 32))
+    assert cuflash._checks.as_block_mask(blocks, (64, 32)) is cuflash._checks.as_block_mask(blocks.copy(), (64, 32))
     out = jax.eval_shape(lambda q, k, v: cuflash_attention(q, k, v, False, block_mask=blocks, block_size=(64, 32)), *specs)
     assert out.shape == (2, 4, 300, 32)
 

@@ -50,17 +50,18 @@ class _FakeVariant:
         return 200 * 1024
 
 
-def test_every_kernel_object_gets_its_shared_memory_allowance(monkeypatch):
-    """_launch remembers which kernels it has raised the allowance of (reading it back is a
-    driver call); a kernel built after another was dropped (a test swapping the loader's cache
-    out) must not inherit the dropped one's entry through a reused id()."""
-    from cuflash import _api
+def test_every_kernel_gets_its_shared_memory_allowance(monkeypatch):
+    """A plan's Kernel raises the dynamic shared-memory limit of the kernel object it launches
+    (once, when the plan is built) whenever the variant needs more than the default 48 KB."""
+    from cuflash import _plan
 
-    monkeypatch.setattr(_api, "_smem_allowed", {})
-    for _ in range(20):  # fresh objects: CPython hands a freed object's id to the next one
-        kernel = _FakeKernel()
-        monkeypatch.setattr(_loader, "get_kernel", lambda variant, device=None: kernel)
-        _api._launch(_FakeVariant(), 1, 1, (), 64, 64)
-        _api._launch(_FakeVariant(), 1, 1, (), 64, 64)
-        assert kernel.launches == [200 * 1024] * 2
-        del kernel
+    class _Function:
+        ptr = 1234
+
+    kernel = _FakeKernel()
+    kernel.kernel = _Function()
+    monkeypatch.setattr(_loader, "get_kernel", lambda variant, device=None: kernel)
+    monkeypatch.setattr(_plan, "_device", lambda device_id: None)
+    launch = _plan.Kernel(_FakeVariant(), 0, (1, 1, 1), [], 64, 64)
+    assert kernel.max_dynamic_shared_size_bytes == 200 * 1024 == launch.smem
+    assert launch.func == 1234

@@ -74,7 +74,7 @@ def check(q, k, v, do, *, dtype, causal=False, block_mask=None, block_size=None,
 
     out, grads = run(q, k, v, do, causal=causal, block_mask=block_mask, block_size=block_size,
                      window=window, deterministic=deterministic)
-    mask = ref.element_mask(q.shape[-2], k.shape[-2], block_mask=cuflash._api.as_block_mask(block_mask, block_size),
+    mask = ref.element_mask(q.shape[-2], k.shape[-2], block_mask=cuflash._checks.as_block_mask(block_mask, block_size),
                             window=window, batch_shape=out.o.shape[:-2])
     check_forward(out, q, k, v, causal=causal, dtype=dtype, mask=mask)
     check_backward(grads, do, q, k, v, causal=causal, dtype=dtype, mask=mask)

@@ -33,10 +33,6 @@ def test_encode_refuses_what_the_copy_engine_cannot_take():
     assert _tma.encode(256, 96, 100, 96, 9600, 2, 128) is None
 
 
-def test_empty_maps_fill_the_parameter():
-    assert len(bytes(_tma.empty_maps())) == _tma.PARAM_BYTES == 448
-
-
 def test_one_slice_is_mapped_whatever_its_stride(monkeypatch):
     """Batch 1 with one k/v head has slice stride 1 (slice_stride's answer when nothing is
     stepped): the map gets a stride the copy engine takes instead of falling back to cp.async

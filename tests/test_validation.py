@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu
-from cuflash import _api, _config
+from cuflash import _api, _broadcast, _checks, _config, _plan
 
 
 def test_numpy_arrays_are_refused_with_their_shape():
@@ -33,37 +33,37 @@ def test_non_arrays_are_refused():
 )
 def test_head_dim_checks(shapes, match):
     with pytest.raises(ValueError, match=match):
-        _api.check_head_dims(*shapes)
+        _checks.check_head_dims(*shapes)
 
 
 def test_dtype_checks():
     with pytest.raises(TypeError, match="q float16, k float32, v float16"):
-        _api.check_dtypes(np.float16, np.float32, np.float16)
+        _checks.check_dtypes(np.float16, np.float32, np.float16)
     with pytest.raises(TypeError, match="float64 is not supported"):
-        _api.check_dtypes(np.float64, np.float64, np.float64)
-    assert _api.check_dtypes(np.float32, np.float32, np.float32) == "float32"
+        _checks.check_dtypes(np.float64, np.float64, np.float64)
+    assert _checks.check_dtypes(np.float32, np.float32, np.float32) == "float32"
 
 
 def test_dtype_names_are_cached_per_dtype_object():
     import ml_dtypes
 
     for t in (np.float16, np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.float32):
-        assert _api.check_dtypes(t, t, t) == np.dtype(t).name  # first call and cached call alike
-        assert _api.check_dtypes(t, t, t) == np.dtype(t).name
+        assert _checks.check_dtypes(t, t, t) == np.dtype(t).name  # first call and cached call alike
+        assert _checks.check_dtypes(t, t, t) == np.dtype(t).name
     with pytest.raises(TypeError, match="q float16, k bfloat16, v float16"):
-        _api.check_dtypes(np.float16, np.dtype(ml_dtypes.bfloat16), np.float16)
+        _checks.check_dtypes(np.float16, np.dtype(ml_dtypes.bfloat16), np.float16)
 
 
 def test_layouts_are_cached_and_bad_shapes_refused_every_time():
     args = ((2, 8, 100, 64), (51200, 6400, 64, 1), (2, 2, 90, 64), (11520, 5760, 64, 1),
             (2, 2, 90, 64), (11520, 5760, 64, 1))
-    first = _api.broadcast_layout(*args)
-    assert _api.broadcast_layout(*args) is first and first.kv_group == 4
+    first = _broadcast.broadcast_layout(*args)
+    assert _broadcast.broadcast_layout(*args) is first and first.kv_group == 4
     bad = ((2, 8, 100, 64), (51200, 6400, 64, 1), (3, 2, 90, 64), (11520, 5760, 64, 1),
            (3, 2, 90, 64), (11520, 5760, 64, 1))
     for _ in range(2):  # a refusal is never cached as an answer
         with pytest.raises(ValueError, match="do not broadcast"):
-            _api.broadcast_layout(*bad)
+            _broadcast.broadcast_layout(*bad)
 
 
 def _contiguous_strides(shape):
@@ -71,7 +71,7 @@ def _contiguous_strides(shape):
 
 
 def layout(q, k, v):
-    return _api.broadcast_layout(q, _contiguous_strides(q), k, _contiguous_strides(k), v, _contiguous_strides(v))
+    return _broadcast.broadcast_layout(q, _contiguous_strides(q), k, _contiguous_strides(k), v, _contiguous_strides(v))
 
 
 def test_layout_merges_contiguous_batch_dims():
@@ -123,7 +123,7 @@ def test_layout_refuses_too_many_unmergeable_dims():
 @pytest.mark.parametrize("scale", (0.0, -1.0, float("inf"), float("nan")))
 def test_bad_scale(scale):
     with pytest.raises(ValueError, match="scale must be finite and positive"):
-        _api._resolve_scale(scale, 64)
+        _checks.resolve_scale(scale, 64)
 
 
 @requires_gpu
@@ -203,17 +203,17 @@ def header_field_kinds(struct_name):
             kind = "d" if type_name == "double" else "q"
         for name in names.split(","):
             dims = re.search(r"\[(\w+)\]", name)
-            count = 1 if dims is None else (_api.MAX_LEAD_DIMS if dims.group(1) == "kMaxLead" else int(dims.group(1)))
+            count = 1 if dims is None else (_config.MAX_LEAD_DIMS if dims.group(1) == "kMaxLead" else int(dims.group(1)))
             kinds += [kind] * count
     return "".join(kinds)
 
 
 def test_param_formats_match_the_header():
-    assert _api._FWD_PARAM_FORMAT[1:] == header_field_kinds("FwdParams")
-    assert _api._BWD_PARAM_FORMAT[1:] == header_field_kinds("BwdParams")
+    assert _plan.FWD_PARAM_FORMAT[1:] == header_field_kinds("FwdParams")
+    assert _plan.BWD_PARAM_FORMAT[1:] == header_field_kinds("BwdParams")
     # A dense launch: window (-1, -1), then null lists and zero sizes / strides.
-    assert _api._DENSE_SPARSITY == (-1, -1) + (0,) * 13
-    assert len(_api._DENSE_SPARSITY) == len(header_field_kinds("FwdParams").split("dd", 1)[1])
+    assert _plan.DENSE_SPARSITY == (-1, -1) + (0,) * 13
+    assert len(_plan.DENSE_SPARSITY) == len(header_field_kinds("FwdParams").split("dd", 1)[1])
 
 
 # ---- block masks and windows ---------------------------------------------------------------
@@ -223,17 +223,17 @@ def test_check_sparsity_accepts_masks_arrays_and_windows():
     from cuflash import masks
 
     bm = masks.butterfly(8, block_size=(128, 64))
-    assert _api.check_sparsity(bm, None, None, 1000, 500, (2, 3)) == (bm, None)
-    assert _api.check_sparsity(bm, (128, 64), (5, -1), 1000, 500, ())[1] == (5, -1)
-    assert _api.check_sparsity(None, None, (-1, -1), 10, 10, ()) == (None, None)
-    assert _api.check_sparsity(None, None, [3, 0], 10, 10, ()) == (None, (3, 0))
+    assert _checks.check_sparsity(bm, None, None, 1000, 500, (2, 3)) == (bm, None)
+    assert _checks.check_sparsity(bm, (128, 64), (5, -1), 1000, 500, ())[1] == (5, -1)
+    assert _checks.check_sparsity(None, None, (-1, -1), 10, 10, ()) == (None, None)
+    assert _checks.check_sparsity(None, None, [3, 0], 10, 10, ()) == (None, (3, 0))
     blocks = np.eye(8, dtype=bool)
-    mask, _ = _api.check_sparsity(blocks, None, None, 1024, 1000, (4,))
+    mask, _ = _checks.check_sparsity(blocks, None, None, 1024, 1000, (4,))
     assert mask.block_size == (128, 128) and mask.shape == (8, 8)  # the default block size
     np.testing.assert_array_equal(mask.to_dense(), blocks)
-    again, _ = _api.check_sparsity(blocks.copy(), 128, None, 1024, 1000, (4,))
+    again, _ = _checks.check_sparsity(blocks.copy(), 128, None, 1024, 1000, (4,))
     assert again is mask  # equal arrays: one conversion, one set of cached lists
-    other, _ = _api.check_sparsity(blocks, 64, None, 512, 500, (4,))
+    other, _ = _checks.check_sparsity(blocks, 64, None, 512, 500, (4,))
     assert other is not mask and other.block_size == (64, 64)
 
 
@@ -258,16 +258,16 @@ def test_check_sparsity_errors_name_the_argument(kwargs, error, match):
     args = dict(block_mask=None, block_size=None, window=None, nq=1000, nk=1000, out_lead_shape=(2, 4))
     args.update(kwargs)
     with pytest.raises(error, match=match):
-        _api.check_sparsity(*args.values())
+        _checks.check_sparsity(*args.values())
 
 
 def test_block_size_must_agree_with_a_block_mask():
     from cuflash import masks
 
     bm = masks.local(4, 1, block_size=(64, 32))
-    assert _api.as_block_mask(bm, (64, 32)) is bm
+    assert _checks.as_block_mask(bm, (64, 32)) is bm
     with pytest.raises(ValueError, match=r"block_size=128 differs from the block size \(64, 32\)"):
-        _api.as_block_mask(bm, 128)
+        _checks.as_block_mask(bm, 128)
 
 
 def test_mask_strides_follow_the_merged_batch_dims():
@@ -277,7 +277,7 @@ def test_mask_strides_follow_the_merged_batch_dims():
         qkv = (q_shape, _contiguous_strides(q_shape), kv_shape, _contiguous_strides(kv_shape),
                kv_shape, _contiguous_strides(kv_shape))
         bm = masks.BlockMask.from_dense(np.ones(mask_batch + (2, 2), bool), 8)
-        return _api._layout_with_mask(qkv, (), bm)
+        return _checks.layout_with_mask(qkv, (), bm)
 
     per_head = with_mask((3, 4, 16, 8), (3, 4, 16, 8), (4,))
     assert per_head.lead_shape == (1, 1, 3, 4) and per_head.extra_strides[-1] == (0, 0, 0, 1)
@@ -291,7 +291,7 @@ def test_mask_strides_follow_the_merged_batch_dims():
     assert shared.extra_strides[-1] == (0, 0, 0, 0) and shared.lead_shape == (1, 1, 1, 12)
     # Without a mask the layout is exactly the dense one.
     qkv = ((3, 4, 16, 8), _contiguous_strides((3, 4, 16, 8))) * 3
-    assert _api._layout_with_mask(qkv, (), None) == _api.broadcast_layout(*qkv)
+    assert _checks.layout_with_mask(qkv, (), None) == _broadcast.broadcast_layout(*qkv)
 
 
 def test_mask_that_blocks_merging_is_named():
@@ -299,14 +299,14 @@ def test_mask_that_blocks_merging_is_named():
 
     q = (2, 3, 2, 3, 2, 10, 8)  # contiguous: merges into one dim on its own
     qkv = (q, _contiguous_strides(q)) * 3
-    assert _api._layout_with_mask(qkv, (), None).lead_shape == (1, 1, 1, 72)
+    assert _checks.layout_with_mask(qkv, (), None).lead_shape == (1, 1, 1, 72)
     bm = masks.BlockMask.from_dense(np.ones((2, 1, 2, 1, 2, 2, 2), bool), 8)  # 5 dims apart
     with pytest.raises(ValueError, match=r"at most 4 leading dims.*block_mask of shape \(2, 1, 2, 1, 2, 2, 2\)"):
-        _api._layout_with_mask(qkv, (), bm)
+        _checks.layout_with_mask(qkv, (), bm)
 
 
 def test_every_launch_has_a_tile_shape():
-    # _api._sparsity_fields counts each launch's lists in its variant's block_rows x block_cols.
+    # _plan.sparsity_fields counts each launch's lists in its variant's block_rows x block_cols.
     from cuflash import _config
 
     for dtype in _config.SUPPORTED_DTYPES:
@@ -325,9 +325,10 @@ def test_every_launch_has_a_tile_shape():
 
 
 def test_dense_sparsity_fields_carry_the_window():
-    assert _api._sparsity_fields(None, (), 10, 10, None, transpose=False, causal=False, window=None) == _api._DENSE_SPARSITY
-    fields = _api._sparsity_fields(None, (), 10, 10, None, transpose=True, causal=True, window=(4, 0))
-    assert fields == (4, 0) + _api._DENSE_SPARSITY[2:]
+    fields, lists = _plan.sparsity_fields(None, (), 10, 10, None, transpose=False, causal=False, window=None)
+    assert fields == _plan.DENSE_SPARSITY and lists is None
+    fields, lists = _plan.sparsity_fields(None, (), 10, 10, None, transpose=True, causal=True, window=(4, 0))
+    assert fields == (4, 0) + _plan.DENSE_SPARSITY[2:] and lists is None
 
 
 def test_statistics_padding_holds_every_query_tile():
@@ -338,26 +339,8 @@ def test_statistics_padding_holds_every_query_tile():
         assert any(k.startswith("bwd_dq_") for k in keys)
 
 
-def test_a_batch_beyond_the_launch_grid_is_refused(monkeypatch):
-    from cuflash import _api, _loader
-
-    launched = []
-
-    class FakeKernel:
-        max_dynamic_shared_size_bytes = 0
-
-        def __call__(self, grid, block, args, shared_mem=0):
-            launched.append(grid)
-
-    class FakeVariant:
-        threads = 256
-
-        def smem_bytes(self, d, dv):
-            return 1024
-
-    monkeypatch.setattr(_loader, "get_kernel", lambda variant: FakeKernel())
-    _api._launch(FakeVariant(), 3, 65535 * 65535, (), 64, 64)
-    assert launched == [(3, 65535, 65535)]
+def test_a_batch_beyond_the_launch_grid_is_refused():
+    assert _plan.slice_grid(3, 65535 * 65535) == (3, 65535, 65535)
+    assert _plan.slice_grid(3, 70000) == (3, 65535, 2)
     with pytest.raises(ValueError, match="exceed"):
-        _api._launch(FakeVariant(), 3, 65535 * 65535 + 1, (), 64, 64)
-    assert len(launched) == 1
+        _plan.slice_grid(3, 65535 * 65535 + 1)

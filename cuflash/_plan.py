@@ -1,0 +1,605 @@
+"""Launch plans: what a call's signature decides, decided once.
+
+A signature is everything about a call but its data: shapes, strides, dtypes, device, flags,
+scale, block mask and window. ``forward_plan`` and ``backward_plan`` look one up, or build it:
+they validate (with the errors cuflash has always given), choose the kernels (cuflash/_config.py
+decides, nothing here overrides it), and bind everything that follows from the signature: grids,
+shared memory, the packed parameter blocks, the block-sparse tile lists, the tensor maps'
+templates, the workspace layout and the outputs' shapes. A call with a known signature then
+checks what can change between such calls (the pointers' alignment), writes its pointers into
+the bound parameter blocks and launches through the driver (``cuLaunchKernel``) on the caller's
+stream. The plans take raw pointers, so the CuPy API, the torch adapter and the JAX adapter each
+allocate their outputs their own way and share the plans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import struct
+import threading
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from . import _checks, _config, _loader, _tma
+from ._broadcast import broadcast_layout
+from ._config import MAX_LEAD_DIMS
+
+# ---- the driver ------------------------------------------------------------------------------
+
+_CU_LAUNCH_ARGS = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (ctypes.c_void_p,) * 3
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    """libcuda's entry points, through ctypes (a driver is wherever a kernel can run)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernel.argtypes = _CU_LAUNCH_ARGS
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuMemsetD8Async.argtypes = (ctypes.c_void_p, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p)
+    lib.cuMemsetD8Async.restype = ctypes.c_int
+    for name in ("cuCtxGetCurrent", "cuCtxPopCurrent_v2"):
+        getattr(lib, name).argtypes = (ctypes.POINTER(ctypes.c_void_p),)
+    lib.cuCtxPushCurrent_v2.argtypes = (ctypes.c_void_p,)
+    lib.cuGetErrorName.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+    return lib
+
+
+def _check(status: int, what: str):
+    if status:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({status})")
+
+
+@functools.lru_cache(maxsize=None)
+def device_context(device_id: int) -> int:
+    """The primary context of a device (what CuPy, torch and XLA run in)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        cupy.cuda.runtime.free(0)  # makes the primary context current on this thread
+        ctx = ctypes.c_void_p()
+        _check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    return ctx.value
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> str:
+    import cupy
+
+    return cupy.cuda.Device(device_id).compute_capability
+
+
+def _words(data: bytes):
+    """A parameter block: ``data`` in an 8-byte-aligned ctypes buffer the launch points at."""
+    block = (ctypes.c_uint64 * (-(-len(data) // 8)))()
+    ctypes.memmove(block, data, len(data))
+    return block
+
+
+class Kernel:
+    """One launch with its arguments bound: a CUfunction, its grid, and parameter blocks that
+    the plan's ``run`` updates in place (the driver copies them at launch)."""
+
+    __slots__ = ("variant", "func", "grid", "block", "smem", "params", "argv", "lists")
+
+    def __init__(self, variant, device_id: int, grid, params, d: int = 0, dv: int = 0):
+        raw = _loader.get_kernel(variant, _device(device_id))
+        smem = variant.smem_bytes(d, dv)
+        if smem > 48 * 1024 and raw.max_dynamic_shared_size_bytes < smem:
+            raw.max_dynamic_shared_size_bytes = smem
+        self.variant = variant
+        self.func = raw.kernel.ptr
+        self.grid = tuple(int(g) for g in grid)
+        self.block = (variant.threads, 1, 1)
+        self.smem = smem
+        self.params = params  # keeps the blocks alive for argv
+        self.argv = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+        self.lists = None  # block-sparse tile lists on the device, kept alive with the launch
+
+    def launch(self, drv, stream):
+        _check(drv.cuLaunchKernel(self.func, *self.grid, *self.block, self.smem, stream, self.argv, None),
+               f"launching {self.variant.key}")
+
+
+def _device(device_id):
+    import cupy
+
+    return cupy.cuda.Device(device_id)
+
+
+def slice_grid(grid_x: int, num_batch: int):
+    """A grid of grid_x tiles for every (batch..., head) slice: y holds up to 65535, z the rest."""
+    grid_y = min(num_batch, 65535)
+    if -(-num_batch // grid_y) > 65535:
+        raise ValueError(f"{num_batch} (batch..., head) slices exceed the {65535 ** 2} a launch grid can hold")
+    return grid_x, grid_y, -(-num_batch // grid_y)
+
+
+class _Context:
+    """Runs launches in a plan's device context: pushed for the call when another is current."""
+
+    __slots__ = ("ctx", "pushed")
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __enter__(self):
+        drv = _driver()
+        current = ctypes.c_void_p()
+        drv.cuCtxGetCurrent(ctypes.byref(current))
+        self.pushed = current.value != self.ctx
+        if self.pushed:
+            _check(drv.cuCtxPushCurrent_v2(self.ctx), "cuCtxPushCurrent")
+        return drv
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            _driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+# ---- parameter blocks ------------------------------------------------------------------------
+
+# Field order of struct FwdParams in kernels/common.cuh (every member 8 bytes; the six pointers
+# first, so a call rewrites words 0-5).
+FWD_PARAM_FORMAT = "<" + "".join((
+    "Q" * 6,                    # q, k, v, o, l, m
+    "q" * 4 + "q",              # nq, nk, d, dv; num_batch
+    "q" * (4 * MAX_LEAD_DIMS),  # lead_shape, q/k/v_lead_stride
+    "q" * 3 + "q",              # q/k/v_row_stride; kv_group
+    "dd",                       # scale, scale_log2
+    "qq",                       # window_left, window_right
+    "QQQ",                      # tile_counts, tile_lists, blocks
+    "qq" + "q" * 4,             # n_outer, list_stride; block_q, block_k, mask_tq, mask_tk
+    "q" * MAX_LEAD_DIMS,        # mask_lead_stride
+))
+# struct BwdParams: the nine pointers first (words 0-8).
+BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "q"
+# struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.
+REDUCE_PARAM_FORMAT = "<QQqqq"
+# The block-sparsity fields of a dense launch: null lists, so the kernel walks every tile.
+DENSE_TILES = (0,) * (3 + 2 + 4 + MAX_LEAD_DIMS)
+DENSE_SPARSITY = _checks.NO_WINDOW + DENSE_TILES  # everything after scale_log2
+
+
+def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPARSITY) -> bytes:
+    """struct FwdParams with null pointers (a call writes them); sparsity: the fields after
+    scale_log2 (sparsity_fields)."""
+    values = (
+        0, 0, 0, 0, 0, 0,
+        nq, nk, d, dv, math.prod(layout.lead_shape),
+        *layout.lead_shape, *layout.q_strides, *layout.k_strides, *layout.v_strides,
+        *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity,
+    )
+    return struct.pack(FWD_PARAM_FORMAT, *values)
+
+
+def sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, window):
+    """The FwdParams fields after scale_log2 for one launch of ``variant``, and the device
+    arrays they point at (the plan holds them).
+
+    transpose: the launch walks key tiles (the backward's key passes). Without a mask the
+    lists are null (a dense launch, the window still applies).
+    """
+    if mask is None:
+        return (*(window or _checks.NO_WINDOW), *DENSE_TILES), None
+    tiles = mask.device_tile_lists(nq, nk, variant.block_rows, variant.block_cols, transpose=transpose,
+                                   causal=causal, window=window)
+    fields = (
+        *(window or _checks.NO_WINDOW),
+        tiles.counts.data.ptr, tiles.lists.data.ptr, tiles.blocks.data.ptr, tiles.n_outer, tiles.list_stride,
+        *mask.block_size, *mask.shape[-2:], *mask_strides,
+    )
+    return fields, tiles
+
+
+# ---- tensor maps -----------------------------------------------------------------------------
+
+
+class _Maps:
+    """struct Sm90Maps for one plan: three tensor maps (q, k, v) whose only per-call content is
+    the global address. Where the driver's encoding is seen to hold the address as its first
+    8 bytes and nothing else changes with it (checked per geometry by encoding two addresses),
+    a call writes the three addresses into a template; otherwise maps are encoded per pointer
+    triple and kept (``_KEPT`` of them), so an unchanged (pointer, shape, strides) is never
+    encoded again."""
+
+    _KEPT = 64
+
+    def __init__(self, geometries, ptrs):
+        self.geometries = geometries  # (cols, rows, row_stride, stride, count, box) for q, k, v
+        raws = [_tma.encode(p, *g) for p, g in zip(ptrs, geometries)]
+        self.ok = all(r is not None for r in raws)
+        if not self.ok:
+            return
+        slices = struct.pack(_tma.SLICE_FORMAT, *(g[3] for g in geometries))
+        payload = b"".join(raws) + slices
+        self.block = _words(payload + bytes(_tma.PARAM_BYTES - len(payload)))
+        self.patchable = all(_address_is_patchable(raw, p, g) for raw, p, g in zip(raws, ptrs, geometries))
+        self.encoded = {tuple(ptrs): b"".join(raws)}
+
+    def bind(self, ptrs):
+        block = self.block
+        if self.patchable:
+            block[0], block[16], block[32] = ptrs
+            return True
+        raw = self.encoded.get(ptrs)
+        if raw is None:
+            parts = [_tma.encode(p, *g) for p, g in zip(ptrs, self.geometries)]
+            if any(r is None for r in parts):
+                return False
+            raw = b"".join(parts)
+            if len(self.encoded) >= self._KEPT:
+                self.encoded.pop(next(iter(self.encoded)))
+            self.encoded[ptrs] = raw
+        ctypes.memmove(block, raw, len(raw))
+        return True
+
+
+def _address_is_patchable(raw: bytes, ptr: int, geometry) -> bool:
+    other = ptr + 4096
+    raw2 = _tma.encode(other, *geometry)
+    return (raw2 is not None and raw[8:] == raw2[8:]
+            and struct.unpack_from("<Q", raw)[0] == ptr and struct.unpack_from("<Q", raw2)[0] == other)
+
+
+# ---- forward ---------------------------------------------------------------------------------
+
+
+class ForwardPlan:
+    """One forward signature's launch: ``run(q, k, v, o, l, m, stream)`` on raw pointers."""
+
+    def __init__(self, device_id, dtype, o_shape, stats_shape, operands, kernel=None, maps=None,
+                 fallback=None):
+        self.device_id = device_id
+        self.dtype = dtype
+        self.o_shape, self.stats_shape = o_shape, stats_shape
+        self.operands = operands  # ((name, shape, element strides), ...) of q, k, v for errors
+        self.vectors = dtype != "float32"  # 16-byte vector loads need 16-byte aligned pointers
+        self.kernel = kernel  # None: nothing to compute (no query or no slice)
+        self.maps = maps
+        self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
+        self.ctx = device_context(device_id)
+        self.lock = threading.Lock()
+
+    @property
+    def variant(self):
+        return None if self.kernel is None else self.kernel.variant
+
+    def check(self, q, k, v):
+        if self.vectors and (q | k | v) & 15:
+            for (name, shape, strides), ptr in zip(self.operands, (q, k, v)):
+                if ptr & 15:
+                    raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
+
+    def run(self, q, k, v, o, l, m, stream):
+        self.check(q, k, v)
+        kernel = self.kernel
+        if kernel is None:
+            return
+        with self.lock:
+            if self.maps is not None and not self.maps.bind((q, k, v)):
+                plan = self.fallback()
+                return plan.run(q, k, v, o, l, m, stream)
+            kernel.params[0][0:6] = (q, k, v, o, l, m)
+            with _Context(self.ctx) as drv:
+                kernel.launch(drv, stream)
+
+
+def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id,
+                            causal, scale, mask, window, ptrs, tma=True):
+    nq, nk, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
+    for name, shape, strides in (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides)):
+        _checks.check_last_dim_contiguous(name, shape, strides)
+    qkv = (q_shape, q_strides, k_shape, k_strides, v_shape, v_strides)
+    layout = broadcast_layout(*qkv)
+    scale = _checks.resolve_scale(scale, d)
+    mask, window = _checks.check_sparsity(mask, None, window, nq, nk, layout.out_lead_shape)
+    if mask is not None:
+        layout = _checks.layout_with_mask(qkv, (), mask)
+    o_shape = layout.out_lead_shape + (nq, dv)
+    stats_shape = layout.out_lead_shape + (nq,)
+    operands = (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides))
+    num_batch = math.prod(layout.lead_shape)
+    if num_batch == 0 or nq == 0:
+        return ForwardPlan(device_id, dtype, o_shape, stats_shape, operands)
+    if dtype != "float32":
+        for (name, shape, strides), ptr in zip(operands, ptrs):
+            if ptr & 15 or not _checks.vector_stride_ok(shape, strides, _checks.itemsize(dtype)):
+                raise _checks.vector_alignment_error(name, shape, strides, ptr, dtype)
+    cc = compute_capability(device_id)
+    variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=_config.has_wgmma(cc),
+                                     nq=nq, slices=num_batch, tma=tma)
+    row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
+    maps = None
+    if isinstance(variant, _config.HopperForward) and variant.tma:
+        maps = _Maps(_tma.geometries(nq, nk, d, layout, row_strides, variant.block_rows, variant.block_cols), ptrs)
+        if not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
+            maps = None
+            variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=True, nq=nq,
+                                             slices=num_batch, tma=False)
+    with _device(device_id):
+        sparsity, lists = sparsity_fields(mask, layout.extra_strides[-1] if mask is not None else (), nq, nk,
+                                          variant, transpose=False, causal=causal, window=window)
+    params = [_words(forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))]
+    if isinstance(variant, _config.HopperForward):
+        params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
+    n_q_tiles = -(-nq // variant.block_rows)
+    if getattr(variant, "persistent", False):
+        grid = (min(n_q_tiles * num_batch, sm_count(device_id)), 1, 1)
+    else:
+        grid = slice_grid(n_q_tiles, num_batch)
+    kernel = Kernel(variant, device_id, grid, params, d, dv)
+    kernel.lists = lists
+
+    def fallback():
+        return _forward_signature_plan(*qkv, dtype, device_id, causal, scale, mask, window, ptrs, tma=False)
+
+    return ForwardPlan(device_id, dtype, o_shape, stats_shape, operands, kernel, maps,
+                       functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
+
+
+# ---- backward --------------------------------------------------------------------------------
+
+
+class GradientOut(NamedTuple):
+    """How one gradient (dq, dk or dv) is finished.
+
+    kind: 'direct' (the kernels write it in place: pointer of the output), 'reduce' (a float32
+    accumulator in the workspace, summed over ``group`` slices and converted by grad_reduce.cu),
+    'generic' (the accumulator, summed back over broadcast dims by the caller's framework with
+    ``_broadcast.reduce_to``).
+    """
+
+    kind: str
+    offset: int  # of the accumulator in the workspace (not 'direct')
+    acc_shape: tuple
+    group: int
+    shape: tuple  # the gradient's (its input's) shape
+
+
+class BackwardPlan:
+    """One backward signature's launches: ``run(do, q, k, v, o, l, m, dq, dk, dv, workspace,
+    stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes)."""
+
+    def __init__(self, device_id, dtype, operands, grads, out_lead, workspace_bytes=0, delta_offset=0,
+                 zero=None, kernels=(), fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False):
+        self.device_id = device_id
+        self.dtype = dtype
+        self.operands = operands
+        self.vectors = dtype != "float32"
+        self.grads = grads  # GradientOut of dq, dk, dv
+        self.out_lead = out_lead
+        self.workspace_bytes = workspace_bytes  # lse2 at offset 0, delta at delta_offset, accumulators
+        self.delta_offset = delta_offset
+        self.zero = zero  # bytes of dQ's accumulator to clear first (atomic dQ), or None
+        self.kernels = kernels
+        self.fwd_blocks, self.bwd_block = fwd_blocks, bwd_block
+        self.reduces = reduces  # (Kernel, gradient index)
+        self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
+        self.ctx = device_context(device_id)
+        self.lock = threading.Lock()
+
+    def check(self, ptrs):
+        if self.vectors and any(p & 15 for p in ptrs):
+            for (name, shape, strides), ptr in zip(self.operands, ptrs):
+                if ptr & 15:
+                    raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
+
+    def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream):
+        self.check((do, q, k, v, o))
+        outs = (dq, dk, dv)
+        with self.lock, _Context(self.ctx) as drv:
+            if self.zero_grads:
+                for ptr, grad in zip(outs, self.grads):
+                    nbytes = math.prod(grad.shape) * _checks.itemsize(self.dtype)
+                    if nbytes:
+                        _check(drv.cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
+                return
+            # A 'generic' gradient's accumulator is the caller's buffer when it gives one.
+            accs = [ptr if g.kind == "direct" or (g.kind == "generic" and ptr) else workspace + g.offset
+                    for ptr, g in zip(outs, self.grads)]
+            lse2, delta = workspace, workspace + self.delta_offset
+            for block in self.fwd_blocks:
+                block[0:6] = (q, k, v, o, l, m)
+            self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
+            if self.zero is not None:
+                _check(drv.cuMemsetD8Async(accs[0], 0, self.zero, stream), "cuMemsetD8Async")
+            for kernel in self.kernels:
+                kernel.launch(drv, stream)
+            for kernel, index in self.reduces:
+                kernel.params[0][0:2] = (accs[index], outs[index])
+                kernel.launch(drv, stream)
+
+
+_WORKSPACE_ALIGN = 256
+
+
+def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
+                             deterministic, ptrs):
+    """shapes / strides (elements): do, q, k, v, o; stats: ((shape, strides, dtype name) of l, m)."""
+    do_shape, q_shape, k_shape, v_shape, o_shape = shapes
+    names = ("do", "q", "k", "v", "o")
+    operands = tuple(zip(names, shapes, strides))
+    nq, nk, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
+    for name, shape, st in operands:
+        _checks.check_last_dim_contiguous(name, shape, st)
+    qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
+    out_lead = broadcast_layout(*qkv).out_lead_shape
+    out_shape = out_lead + (nq, dv)
+    for name, shape in (("do", do_shape), ("o", o_shape)):
+        if tuple(shape) != out_shape:
+            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(shape)}")
+    mask, window = _checks.check_sparsity(mask, None, window, nq, nk, out_lead)
+    layout = _checks.layout_with_mask(qkv, ((do_shape, strides[0]), (o_shape, strides[4])), mask)
+    for name, (shape, st, stat_dtype) in zip(("l", "m"), stats):
+        contiguous = _is_c_contiguous(shape, st)
+        if tuple(shape) != out_shape[:-1] or stat_dtype != "float32" or not contiguous:
+            raise ValueError(
+                f"{name} must be the forward's C-contiguous float32 array of shape {out_shape[:-1]}, "
+                f"got shape {tuple(shape)}, dtype {stat_dtype}, contiguous {contiguous}"
+            )
+    scale = _checks.resolve_scale(scale, d)
+    num_batch = math.prod(layout.lead_shape)
+    grad_shapes = (q_shape, k_shape, v_shape)
+    if num_batch == 0 or nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
+        grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
+        return BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
+    if dtype != "float32":
+        for (name, shape, st), ptr in zip(operands, ptrs):
+            if ptr & 15 or not _checks.vector_stride_ok(shape, st, _checks.itemsize(dtype)):
+                raise _checks.vector_alignment_error(name, shape, st, ptr, dtype)
+    cc = compute_capability(device_id)
+    kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
+                                  hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
+    nq_pad = -(-nq // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
+
+    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad)
+    kv_direct = grads[1].kind == "direct"
+    acc_shapes = [g.acc_shape for g in grads]
+    zero = 4 * math.prod(acc_shapes[0]) if kplan.atomic_dq else None
+
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+    do_lead, o_lead = layout.extra_strides[:2]
+    mask_strides = layout.extra_strides[-1] if mask is not None else ()
+    bwd_block = _words(struct.pack(
+        BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2], strides[4][-2],
+        int(kv_direct and dtype != "float32"),
+    ))
+    fwd_blocks, kernels = [], []
+
+    def add(variant, grid_x, transpose=False):
+        tiled = mask if variant is not kplan.preprocess else None  # the preprocess walks no tiles
+        with _device(device_id):
+            sparsity, lists = sparsity_fields(tiled, mask_strides, nq, nk, variant, transpose=transpose,
+                                              causal=causal, window=window)
+        block = _words(forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))
+        fwd_blocks.append(block)
+        kernel = Kernel(variant, device_id, slice_grid(grid_x, num_batch), [block, bwd_block], d, dv)
+        kernel.lists = lists
+        kernels.append(kernel)
+
+    add(kplan.preprocess, nq_pad // kplan.preprocess.warps)
+    for variant in kplan.key_passes:  # one CTA per key tile: the transposed lists
+        add(variant, -(-nk // variant.block_cols), transpose=True)
+    if kplan.dq is not None:  # one CTA per query tile
+        add(kplan.dq, -(-nq // kplan.dq.block_rows))
+
+    reduces = []
+    for index, grad in enumerate(grads):
+        if grad.kind != "reduce":
+            continue
+        variant = _config.GradientReduce(dtype)
+        inner = math.prod(grad.acc_shape[len(out_lead):])
+        outer = math.prod(grad.shape[:-2])
+        per_cta = variant.threads * variant.elements_per_thread
+        grid = (max(1, min(-(-outer * inner // per_cta), 16 * sm_count(device_id))), 1, 1)
+        block = _words(struct.pack(REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
+        reduces.append((Kernel(variant, device_id, grid, [block]), index))
+
+    return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
+                        tuple(fwd_blocks), bwd_block, tuple(reduces))
+
+
+def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad):
+    """(GradientOut of dq, dk, dv; delta's offset; workspace bytes) of a backward: lse2
+    (num_batch, nq_pad, 2) at 0, delta (num_batch, nq_pad), then the float32 accumulators of
+    the gradients the kernels cannot write in place. Shapes alone decide it (the JAX adapter
+    sizes its workspace output with it at trace time)."""
+    q_shape, k_shape, v_shape = grad_shapes
+    nq, d, nk, dv = q_shape[-2], q_shape[-1], k_shape[-2], v_shape[-1]
+    delta_offset = _align(4 * num_batch * nq_pad * 2)
+    end = delta_offset + _align(4 * num_batch * nq_pad)
+    # When k and v are not broadcast or grouped, each key row gets its gradient from one CTA:
+    # the kernel writes dK and dV final, in the input dtype.
+    kv_direct = all(tuple(s[:-2]) == out_lead for s in (k_shape, v_shape))
+    acc_shapes = (out_lead + (nq, d), out_lead + (nk, d), out_lead + (nk, dv))
+    grads = []
+    for index, (shape, acc_shape) in enumerate(zip(grad_shapes, acc_shapes)):
+        own_lead = tuple(shape[:-2])
+        if (index == 0 and own_lead == out_lead and dtype == "float32") or (index > 0 and kv_direct):
+            grads.append(GradientOut("direct", 0, acc_shape, 1, tuple(shape)))  # written in place
+            continue
+        group = 1 if index == 0 else kv_group
+        grouped_lead = out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
+        kind = "reduce" if own_lead == grouped_lead else "generic"
+        grads.append(GradientOut(kind, end, acc_shape, group, tuple(shape)))
+        end += _align(4 * math.prod(acc_shape))
+    return tuple(grads), delta_offset, end
+
+
+def _align(n: int) -> int:
+    return -(-n // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+
+
+def _is_c_contiguous(shape, strides) -> bool:
+    """Row-major without gaps (element strides; dims of one element and empty arrays pass)."""
+    if 0 in tuple(shape):
+        return True
+    step = 1
+    for n, s in zip(reversed(tuple(shape)), reversed(tuple(strides))):
+        if n > 1 and s != step:
+            return False
+        step *= n
+    return True
+
+
+# ---- the caches ------------------------------------------------------------------------------
+
+_MAX_PLANS = 1024  # bounded: a plan may hold a block mask's device lists alive
+_forward_plans: dict = {}
+_backward_plans: dict = {}
+_build_lock = threading.Lock()
+
+
+def _cached(cache, key, build):
+    plan = cache.get(key)
+    if plan is None:
+        with _build_lock:
+            plan = cache.get(key)
+            if plan is None:
+                plan = build()
+                if len(cache) >= _MAX_PLANS:
+                    cache.pop(next(iter(cache)))
+                cache[key] = plan
+    return plan
+
+
+def forward_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id,
+                 causal, scale, mask, window, ptrs) -> ForwardPlan:
+    """The plan of a forward signature (strides in elements, dtype a name, mask a BlockMask or
+    None, window normalised); ``ptrs`` (q, k, v) are used only when the plan is built."""
+    key = (q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal), scale,
+           mask, window, _config.GENERATION[0])
+    return _cached(_forward_plans, key, lambda: _forward_signature_plan(
+        q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal), scale,
+        mask, window, ptrs))
+
+
+def backward_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window, deterministic,
+                  ptrs) -> BackwardPlan:
+    key = (shapes, strides, dtype, stats, device_id, bool(causal), scale, mask, window, bool(deterministic),
+           _config.GENERATION[0])
+    return _cached(_backward_plans, key, lambda: _backward_signature_plan(
+        shapes, strides, dtype, stats, device_id, bool(causal), scale, mask, window, bool(deterministic), ptrs))
+
+
+def plan_counts() -> tuple:
+    """(forward, backward) plans built so far and cached (for tests)."""
+    return len(_forward_plans), len(_backward_plans)
+
+
+def clear():
+    with _build_lock:
+        _forward_plans.clear()
+        _backward_plans.clear()

@@ -1,0 +1,229 @@
+"""The launch-plan cache (cuflash/_plan.py) on the CPU: the driver, the kernels and the tensor
+maps are stand-ins that record what a launch would receive."""
+
+import ctypes
+import struct
+
+import pytest
+
+from cuflash import _config, _loader, _plan, _tma
+
+
+class _FakeDriver:
+    """libcuda's calls as _plan makes them, recorded."""
+
+    def __init__(self):
+        self.launches = []
+        self.memsets = []
+        self.current = 77  # the context current on the calling thread
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        params = []
+        for i in range(len(argv)):
+            words = ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_uint64))
+            params.append(tuple(words[j] for j in range(12)))
+        self.launches.append(dict(func=func, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+                                  stream=stream, params=params))
+        return 0
+
+    def cuMemsetD8Async(self, ptr, value, nbytes, stream):
+        self.memsets.append((ptr, nbytes, stream))
+        return 0
+
+    def cuCtxGetCurrent(self, out):
+        out._obj.value = self.current
+        return 0
+
+    def cuCtxPushCurrent_v2(self, ctx):
+        return 0
+
+    def cuCtxPopCurrent_v2(self, out):
+        return 0
+
+
+class _Function:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _RawKernel:
+    def __init__(self, variant):
+        self.kernel = _Function(abs(hash(variant.key)) % 10**6)
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+
+def _fake_encode(ptr, cols, rows, row_stride, stride, count, box_rows, patchable=True):
+    geometry = struct.pack("<6q", cols, rows, row_stride, stride, count, box_rows)
+    head = struct.pack("<Q", ptr) if patchable else struct.pack("<Q", ptr >> 4)
+    return (head + geometry).ljust(_tma.MAP_BYTES, b"\0")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    driver = _FakeDriver()
+    built = []
+
+    def get_kernel(variant, device=None):
+        built.append(variant.key)
+        return _RawKernel(variant)
+
+    monkeypatch.setattr(_plan, "_driver", lambda: driver)
+    monkeypatch.setattr(_plan, "device_context", lambda device_id: 77)
+    monkeypatch.setattr(_plan, "compute_capability", lambda device_id: "90")
+    monkeypatch.setattr(_plan, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(_plan, "_device", lambda device_id: _NullContext())
+    monkeypatch.setattr(_loader, "get_kernel", get_kernel)
+    monkeypatch.setattr(_tma, "encode", _fake_encode)
+    _plan.clear()
+    driver.built = built
+    yield driver
+    _plan.clear()
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _contiguous(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _forward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", causal=False, window=None,
+             strides=None, ptrs=(0x1000, 0x20000, 0x40000)):
+    kv_shape = kv_shape or shape
+    q_strides = strides or _contiguous(shape)
+    return _plan.forward_plan(shape, q_strides, kv_shape, _contiguous(kv_shape), kv_shape,
+                              _contiguous(kv_shape), dtype, 0, causal, None, None, window, ptrs)
+
+
+def test_a_known_signature_builds_nothing(fake_gpu):
+    plan = _forward()
+    built = len(fake_gpu.built)
+    assert _forward(ptrs=(0x9000, 0x90000, 0xA0000)) is plan  # other pointers: same plan
+    assert len(fake_gpu.built) == built and _plan.plan_counts() == (1, 0)
+
+
+@pytest.mark.parametrize("change", [
+    dict(dtype="float16"), dict(causal=True), dict(window=(64, 0)),
+    dict(strides=(4 * 256 * 128, 256 * 128, 128, 1)),  # a strided view of a wider buffer
+    dict(kv_shape=(2, 2, 256, 64)),  # grouped heads
+])
+def test_a_changed_signature_builds_a_new_plan(fake_gpu, change):
+    plan = _forward()
+    assert _forward(**change) is not plan
+    assert _plan.plan_counts() == (2, 0)
+
+
+def test_switches_build_new_plans(fake_gpu):
+    plan = _forward()
+    with _config.wgmma_forward(False):
+        other = _forward()
+    assert other is not plan and not isinstance(other.variant, _config.HopperForward)
+    assert isinstance(plan.variant, _config.HopperForward)
+
+
+def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):
+    plan = _forward()
+    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=42)
+    plan.run(0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100, stream=43)
+    first, second = fake_gpu.launches
+    assert first["params"][0][:6] == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000)
+    assert second["params"][0][:6] == (0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100)
+    assert (first["stream"], second["stream"]) == (42, 43)
+    # the tensor maps carry each call's addresses (the patchable encoding): words 0, 16, 32
+    maps = ctypes.cast(plan.kernel.argv[1], ctypes.POINTER(ctypes.c_uint64))
+    assert (maps[0], maps[16], maps[32]) == (0x1100, 0x2100, 0x3100)
+    assert first["smem"] == plan.variant.smem_bytes() and first["block"] == (plan.variant.threads, 1, 1)
+
+
+def test_maps_are_encoded_once_per_pointer_triple_when_not_patchable(fake_gpu, monkeypatch):
+    calls = []
+
+    def encode(ptr, *geometry):
+        calls.append(ptr)
+        return _fake_encode(ptr, *geometry, patchable=False)
+
+    monkeypatch.setattr(_tma, "encode", encode)
+    plan = _forward()
+    assert not plan.maps.patchable
+    calls.clear()
+    for _ in range(3):
+        plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+    assert calls == [0x1000, 0x2000, 0x3000]  # encoded for the first run only
+    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+    assert len(calls) == 3
+
+
+def test_misaligned_pointers_get_the_same_error_cached_or_not(fake_gpu):
+    with pytest.raises(ValueError, match=r"q must be 16-byte aligned.*address 0x1008") as fresh:
+        _forward(ptrs=(0x1008, 0x20000, 0x40000))
+    plan = _forward()
+    with pytest.raises(ValueError, match=r"q must be 16-byte aligned.*address 0x1008") as cached:
+        plan.run(0x1008, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+    assert str(fresh.value) == str(cached.value)
+    assert not fake_gpu.launches
+
+
+def test_bad_shapes_raise_the_same_error_with_neighbours_cached(fake_gpu):
+    def bad():
+        return _forward(shape=(2, 4, 256, 64), kv_shape=(2, 4, 256, 60))
+
+    with pytest.raises(ValueError) as before:
+        bad()
+    _forward()
+    _forward(kv_shape=(2, 2, 256, 64))
+    with pytest.raises(ValueError) as after:
+        bad()
+    assert str(before.value) == str(after.value) and "head dim" in str(before.value)
+
+
+def _backward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", deterministic=False):
+    kv_shape = kv_shape or shape
+    shapes = (shape, shape, kv_shape, kv_shape, shape)
+    strides = tuple(_contiguous(s) for s in shapes)
+    stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
+    return _plan.backward_plan(shapes, strides, dtype, stats, 0, False, None, None, None, deterministic,
+                               (0x1000,) * 5)
+
+
+def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
+    plan = _backward()
+    assert _backward() is plan and _plan.plan_counts() == (0, 1)
+    kinds = [g.kind for g in plan.grads]
+    assert kinds == ["reduce", "direct", "direct"]  # dK, dV written in place; dQ from float32
+    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    (ptr, nbytes, stream), = fake_gpu.memsets
+    assert ptr == 0x100000 + plan.grads[0].offset and nbytes == 4 * 2 * 4 * 256 * 64 and stream == 5
+    reduce = fake_gpu.launches[-1]
+    assert reduce["params"][0][:5] == (0x100000 + plan.grads[0].offset, 0x8000, 1, 256 * 64, 8)
+
+
+def test_grouped_heads_sum_dk_dv_in_the_reduce_kernel(fake_gpu):
+    plan = _backward(kv_shape=(2, 2, 256, 64))
+    assert [(g.kind, g.group) for g in plan.grads] == [("reduce", 1), ("reduce", 2), ("reduce", 2)]
+    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    dk_reduce = fake_gpu.launches[-2]["params"][0][:5]
+    assert dk_reduce[1:] == (0x9000, 2, 256 * 64, 4)  # (B * Hk) slices, each summed over 2 heads
+
+
+def test_broadcast_q_is_left_to_the_framework(fake_gpu):
+    shape, kv = (1, 4, 256, 64), (3, 4, 256, 64)
+    shapes = (kv, shape, kv, kv, kv)
+    strides = tuple(_contiguous(s) for s in shapes)
+    stats = ((kv[:-1], _contiguous(kv[:-1]), "float32"),) * 2
+    plan = _plan.backward_plan(shapes, strides, "float16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
+    assert plan.grads[0].kind == "generic" and plan.grads[0].acc_shape == (3, 4, 256, 64)
+
+
+def test_empty_problems_zero_the_gradients(fake_gpu):
+    plan = _backward(shape=(2, 4, 0, 64), kv_shape=(2, 4, 256, 64))
+    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0, 5)
+    assert not fake_gpu.launches and len(fake_gpu.memsets) == 2  # dq has no elements
