@@ -45,12 +45,23 @@ def _contiguous(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+class _StreamHandle:
+    """XLA's stream pointer dressed in the CUDA stream protocol, for Stream.from_external."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 @functools.lru_cache(maxsize=16)
 def _cupy_stream(ptr: int, device: int):
-    """CuPy's view of XLA's stream (kept: XLA runs a computation on few streams)."""
+    """CuPy's view of XLA's stream on ``device`` (kept: XLA runs a computation on few streams)."""
     import cupy
 
-    return cupy.cuda.ExternalStream(ptr, device)
+    with cupy.cuda.Device(device):  # from_external records the current device
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
 
 
 # XLA lays out a custom call's operands row-major, so shapes, dtype and device are the whole

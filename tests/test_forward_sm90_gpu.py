@@ -83,7 +83,7 @@ def test_persistent_grid_walks_many_items(d, early, snake, rng):
     order (snake) and hand-off (early_next) the probes can pick."""
     import cupy
 
-    from cuflash._api import _sm_count
+    from cuflash._plan import sm_count as _sm_count
 
     dtype = "bfloat16"
     sms = _sm_count(cupy.cuda.Device().id)  # the persistent grid's size

@@ -1,0 +1,166 @@
+"""CUDA graphs: cuflash under CuPy stream capture, torch.cuda.graph and
+torch.compile(mode="reduce-overhead"); replays give bit-identical results to eager calls.
+Also the launch plans' pointer rebinding: one plan serving calls on fresh buffers."""
+
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU, requires_gpu
+from cuflash import reference as ref
+
+
+def _rand(cupy, shape, dtype, seed):
+    import ml_dtypes
+
+    rng = cupy.random.default_rng(seed)
+    return rng.standard_normal(shape, dtype=cupy.float32).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+
+@requires_gpu
+def test_one_plan_serves_fresh_buffers_correctly():
+    """Every call after the first reuses the signature's plan with other pointers (and, on
+    Hopper, tensor maps re-addressed): each result is checked against the reference."""
+    import cupy
+
+    import cuflash
+    from cuflash import _plan
+
+    shape = (2, 4, 300, 64)
+    for seed in range(4):
+        q, k, v = (_rand(cupy, shape, "bfloat16", 10 * seed + i) for i in range(3))
+        o, l, m = cuflash.attention(q, k, v, causal=True)
+        want = ref.standard_attention(*(x.astype(cupy.float32).get().astype(np.float64) for x in (q, k, v)),
+                                      causal=True)
+        err = np.abs(o.astype(cupy.float32).get() - want.o).max()
+        assert err < 2e-2, (seed, err)
+        np.testing.assert_allclose(m.get(), want.m, rtol=1e-2, atol=1e-2)
+    forward, _ = _plan.plan_counts()
+    assert forward >= 1
+
+
+@requires_gpu
+def test_cupy_stream_capture_replays_bit_identical():
+    import cupy
+
+    import cuflash
+
+    shape = (2, 4, 256, 64)
+    q, k, v, do = (_rand(cupy, shape, "float16", i) for i in range(4))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cuflash.attention(q, k, v, causal=True)
+        grads = cuflash.attention_backward(do, q, k, v, *out, causal=True, deterministic=True)
+        eager = [x.copy() for x in (*out, *grads)]
+        del out, grads  # their blocks go back to the pool, for the capture to take
+        stream.synchronize()
+        stream.begin_capture()
+        out = cuflash.attention(q, k, v, causal=True)
+        grads = cuflash.attention_backward(do, q, k, v, *out, causal=True, deterministic=True)
+        graph = stream.end_capture()
+        for x in (*out, *grads):
+            x.fill(np.nan)  # poisoned: only the replay writes them
+        graph.launch(stream)
+        stream.synchronize()
+    for got, want in zip((*out, *grads), eager):
+        assert cupy.array_equal(got, want)
+    # new inputs in the same buffers: the replay computes on them
+    q[...] = _rand(cupy, shape, "float16", 99)
+    with stream:
+        graph.launch(stream)
+        fresh = cuflash.attention(q, k, v, causal=True)
+        stream.synchronize()
+    assert cupy.array_equal(out.o, fresh.o)
+
+
+torch_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+def _torch_inputs(torch, shape, seed, requires_grad=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+@torch_gpu
+def test_torch_cuda_graph_replays_forward_and_backward_bit_identical():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+
+    shape = (2, 4, 256, 64)
+    q, k, v = _torch_inputs(torch, shape, 0)
+    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        def step():
+            for x in (q, k, v):
+                x.grad = None
+            out = ct.attention(q, k, v, causal=True)
+            out.backward(do)
+            return out
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        eager = step().detach().clone()
+        eager_grads = [x.grad.clone() for x in (q, k, v)]
+        graph = torch.cuda.CUDAGraph()
+        for x in (q, k, v):
+            x.grad = None
+        with torch.cuda.graph(graph):
+            out = ct.attention(q, k, v, causal=True)
+            out.backward(do)
+        for x in (out, q.grad, k.grad, v.grad):
+            x.data.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        for x, want in zip((q, k, v), eager_grads):
+            assert torch.equal(x.grad, want)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@torch_gpu
+def test_torch_compile_reduce_overhead_matches_eager():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+
+    shape = (2, 4, 128, 64)
+
+    def attend(q, k, v):
+        return ct.attention(q, k, v, causal=True)
+
+    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        for seed in range(3):  # the first calls record the graph, the last replays it
+            q, k, v = _torch_inputs(torch, shape, seed)
+            do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            want = attend(q, k, v)
+            want_grads = torch.autograd.grad(want, (q, k, v), do)
+            got = compiled(q, k, v)
+            got_grads = [g.clone() for g in torch.autograd.grad(got, (q, k, v), do)]
+            assert torch.equal(got.clone(), want)
+            for a, b in zip(got_grads, want_grads):
+                assert torch.equal(a, b)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@torch_gpu
+def test_torch_eager_calls_skip_the_dispatcher_and_build_no_plan_twice():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+    from cuflash import _plan
+
+    shape = (1, 2, 64, 64)
+    q, k, v = _torch_inputs(torch, shape, 1)
+    ct.attention(q, k, v).sum().backward()
+    before = _plan.plan_counts()
+    for seed in range(3):
+        q, k, v = _torch_inputs(torch, shape, seed + 5)
+        ct.attention(q, k, v).sum().backward()
+    assert _plan.plan_counts() == before
