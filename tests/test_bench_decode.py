@@ -167,7 +167,8 @@ def test_decode_table_layout_ratios_and_ceiling_share():
     args = types.SimpleNamespace(tablefmt="github")
     text = decode.format_decode(_records(), args, {"copy_gbps": 4000.0}, common.Footnotes())
     assert "32 query heads over 8 k/v heads (GQA), head dim 128, bfloat16" in text
-    dense_row, paged_row, missing_row = (line for line in text.splitlines() if line.startswith("|") and "8 x 32768" in line)
+    rows = [line for line in text.splitlines() if line.startswith("|") and "8 x 32768" in line]
+    dense_row, paged_row, missing_row = rows
     cells = [c.strip() for c in dense_row.strip("|").split("|")]
     # 1 GiB in 0.4 ms = 2684 GB/s = 67% of 4000; SDPA 4 ms: 268 GB/s, cuflash 10x faster
     assert cells == ["8 x 32768", "dense", "0.400", "2684", "67%", "4.000", "268", "10.00x", ""]
