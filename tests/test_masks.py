@@ -836,7 +836,7 @@ def test_device_lists_are_uploaded_once_per_device(monkeypatch):
         uploads.append((device_id, len(arrays)))
         return tuple(np.array(a) for a in arrays)
 
-    monkeypatch.setattr(M, "_upload", fake_upload)
+    monkeypatch.setattr(M._device_cache, "_upload", fake_upload)
     bm = M.random(8, 0.3, seed=4, block_size=(16, 32))
     a = bm.device_tile_lists(128, 256, 32, 64, device=0)
     assert uploads == [(0, 1), (0, 2)]  # the block bytes, then counts and lists
