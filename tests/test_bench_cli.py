@@ -21,12 +21,17 @@ import pytest
 
 from cpu_fakes import NumpyAsCupy
 from cuflash import reference as ref
-from cuflash.bench import cli, common, io, memory, sparse, speed
+from cuflash.bench import cli, common, e2e, host, io, memory, sparse, speed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
 GPT2 = dict(n=1024, d=64, heads=16, batch=64)
 HB = 16 * 64  # heads * batch of GPT-2 medium
+
+
+def flat(text: str) -> str:
+    """text with its captions' line wraps undone (every run of whitespace one space)."""
+    return " ".join(text.split())
 
 
 def run_cli(*argv, cwd=REPO_ROOT, module="bench"):
@@ -241,7 +246,8 @@ def test_run_ncu_reports_failure(tmp_path):
 
 def test_defaults():
     args = cli.parse_args([])
-    assert args.tables == ["speed", "memory", "io", "sparse"]
+    assert args.tables == ["speed", "memory", "io", "sparse", "host", "e2e"]
+    assert not args.wide
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
     assert args.hdims == [64, 128] and args.dtypes == ["bfloat16"]
     assert args.causal == "both" and args.causal_modes == [False, True]
@@ -319,7 +325,9 @@ def test_step_counts():
     assert memory.count_steps(margs) == 6 * 2
     assert sparse.count_steps(args) == 2 * 7 * 2  # 2 modes x 7 patterns x (cuflash + flex)
     assert io.count_steps(args) == 2 + len(io.SWEEP_TILES)
-    assert cli.count_steps(args) == 1 + 8 + 12 + 6 + 28
+    assert host.count_steps(args) == len(host.CASES) == 12
+    assert e2e.count_steps(args) == 7 * 7  # shapes x (4 torch + 3 JAX backends)
+    assert cli.count_steps(args) == 1 + 8 + 12 + 6 + 28 + 12 + 49
 
 
 # ---- timing and progress -----------------------------------------------------------------
@@ -413,7 +421,7 @@ def _speed_records(dtypes=("bfloat16",)):
 
 
 def test_speed_tables_layout():
-    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no"])
+    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no", "--wide"])
     notes = common.Footnotes()
     text = speed.format_tables(_speed_records(), args, {"matmul_tflops": 275.0}, None, notes)
     for title in ("forward, causal=no, head dim 64, bfloat16",
@@ -429,14 +437,14 @@ def test_speed_tables_layout():
     assert "137.4" in text and "50.0%" in text  # 137.4 TFLOP/s of 275
     assert "2.00x" in text and "0.50x" in text and "OOM" in text
     assert "[1] PyTorch SDPA columns: PyTorch sees no CUDA device" in text
-    assert "forward + backward 3.5 x that" in text
+    assert "forward + backward 3.5 x that" in flat(text)
     assert text.count("[1]") >= 4  # one footnote, referenced in every table
 
 
 def test_speed_tables_cuflash_failure_and_dtypes():
     args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no",
                            "--dtypes", "bfloat16", "float16", "--modes", "fwd",
-                           "--peers", "standard"])
+                           "--peers", "standard", "--wide"])
     records = _speed_records(("bfloat16", "float16"))
     records = [r for r in records if r["mode"] == "fwd"]
     records[1]["backends"]["cuflash"] = _entry(None, 1, "error", "CUDADriverError: boom")
@@ -516,7 +524,9 @@ def test_memory_table_shows_growth_and_oom_point():
     assert margs.heads == 16 and margs.peers == ["sdpa_flash", "sdpa_efficient", "standard"]
     text = memory.format_table(_memory_records(), margs, common.Footnotes(),
                                device_bytes=141 * 2**30)
-    assert "cuflash MiB" in text and "standard MiB" in text and "sdpa_efficient MiB" in text
+    assert "cuflash MiB" in text and "standard MiB" in text and "efficient MiB" in text
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    text = flat(text)
     assert "growth, cuflash: 4096->8192 (2x seq): x2.00 (linear)" in text
     assert "growth, standard: 4096->8192 (2x seq): x4.00 (quadratic)" in text
     assert "standard attention runs out of memory from seq 32768 on (the longest that ran: 16384)" in text
@@ -533,6 +543,8 @@ def test_io_table_analytical():
     assert result["shape"] == {"seq": 1024, "hdim": 64, "heads": 16, "batch": 64}
     notes = common.Footnotes()
     text = io.format_io(result, notes, no_gpu_reason=cli.NO_GPU_RUNTIME)
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    text = flat(text)
     assert "IO: GPT-2 medium attention, forward + backward" in text
     assert "bytes: analytical count" in text and "(ncu)" not in text
     assert "| GFLOP" in text and "824.6" in text  # 12 N^2 d x 1024 heads
@@ -553,7 +565,7 @@ def test_io_table_measured():
                                         ncu={"status": "error", "error": "ncu failed: ERR_NVGPUCTRPERM"})
     for k, row in enumerate(result["sweep"]):
         row.update(ms=1.0 + k, status="ok", ncu={"status": "ok", "read": 2e9, "write": 1e8})
-    text = io.format_io(result, common.Footnotes())
+    text = flat(io.format_io(result, common.Footnotes()))
     assert "bytes: measured by ncu" in text
     assert "read + write GB (ncu)" in text and "42.00" in text
     assert "ncu failed: ERR_NVGPUCTRPERM" in text
@@ -631,9 +643,10 @@ def test_sparse_table_layout():
     args = cli.parse_args(["--modes", "fwd"])
     text = sparse.format_sparse(_sparse_records(), args, common.Footnotes())
     assert "block-sparse forward, seq 8192, head dim 64, 2 x 32" in text
-    for column in ("pattern", "density", "cuflash ms", "cuflash speedup over dense", "flex ms",
-                   "flex speedup over dense", "cuflash / flex"):
+    for column in ("pattern", "density", "cuflash ms", "cuflash vs dense", "flex ms",
+                   "flex vs dense", "cuflash / flex"):
         assert column in text
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
     assert "4.000" in text and "1.25x" in text  # dense: flex 5 / cuflash 4
     assert "5.00x" in text  # flex butterfly: 5 ms dense / 1 ms
     assert f"[1] {sparse.NOT_IN_BUILD}" in text
@@ -726,8 +739,8 @@ def test_import_needs_neither_cupy_nor_torch():
     assert out.stdout.strip() == "False False"
 
 
-@pytest.mark.parametrize("argv", [["--tables", "speed"], [], ["--tables", "io", "--io"],
-                                  ["--tables", "io", "memory"]])
+@pytest.mark.parametrize("argv", [["--tables", "speed"], ["--tables", "io", "--io"],
+                                  ["--tables", "host", "e2e"]])
 def test_no_gpu_exits_with_one_line(argv):
     out = run_cli(*argv)
     assert out.returncode == 2
@@ -735,11 +748,21 @@ def test_no_gpu_exits_with_one_line(argv):
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize("argv", [[], ["--tables", "io", "memory"]])
+def test_no_gpu_prints_the_io_table_then_exits(argv):
+    """The tables that need no GPU come first, then the one line and exit status 2."""
+    out = run_cli(*argv)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "cuflash-bench: no CUDA device found"
+    assert "IO: GPT-2 medium attention" in out.stdout and "runtime not measured" in out.stdout
+    assert max(len(line) for line in out.stdout.splitlines()) <= common.CAPTION_WIDTH
+
+
 def test_no_gpu_io_table_prints(tmp_path):
     out = run_cli("--tables", "io", "--json", str(tmp_path / "io.json"),
                   "--csv", str(tmp_path / "io.csv"))
     assert out.returncode == 0, out.stderr
-    assert "IO: GPT-2 medium attention" in out.stdout and "bytes: analytical count" in out.stdout
+    assert "IO: GPT-2 medium attention" in out.stdout and "bytes: analytical count" in flat(out.stdout)
     assert "no CUDA device found: runtime not measured" in out.stdout
     data = json.loads((tmp_path / "io.json").read_text())
     assert data["io"]["result"]["bytes_source"] == "analytical"
@@ -851,6 +874,12 @@ def _fake_run(monkeypatch, tmp_path, argv, fail_cuflash=False):
         return ((fwd(False).fn if mode == "fwd" else both(False).fn), None), None
 
     monkeypatch.setattr(sparse, "cuflash_case", cuflash_case)
+
+    def cupy_calls(env):  # host rows: calls that cost no GPU work, or fail as asked
+        return {name: (check, lambda out: None) for name in ("cupy_fwd", "cupy_bwd")}
+
+    monkeypatch.setattr(host, "cupy_calls", cupy_calls)
+    monkeypatch.setattr(host, "load_jax", lambda: (None, "no JAX in this test"))
     args = cli.parse_args(argv + ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")])
     return cli.run(args)
 
@@ -867,14 +896,21 @@ def test_run_every_table_on_fakes(monkeypatch, tmp_path, capsys):
                   "forward + backward, causal=yes, head dim 16, float32",
                   "peak extra memory of forward + backward",
                   "IO: GPT-2 medium attention", "IO: bytes moved and runtime against the tile size",
-                  "block-sparse forward, seq 256", "block-sparse forward + backward, seq 256"):
+                  "block-sparse forward, seq 256", "block-sparse forward + backward, seq 256",
+                  "host: CPU microseconds per call", "e2e: PyTorch, forward + backward",
+                  "e2e: JAX"):
         assert title in text
+    assert "no JAX in this test" in text and "cuflash (CuPy) | forward" in text
     assert "PyTorch SDPA columns: no torch in this test" in text
     if sparse.load_masks()[0] is not None:
         assert sparse.NOT_IN_BUILD in text and "butterfly(2)" in text
     assert "FAILED" not in text
     data = json.loads((tmp_path / "r.json").read_text())
-    assert set(data) >= {"info", "settings", "ceilings", "speed", "memory", "io", "sparse"}
+    assert set(data) >= {"info", "settings", "ceilings", "speed", "memory", "io", "sparse",
+                         "host", "e2e"}
+    assert data["host"]["results"]["cupy_fwd"]["status"] == "ok"
+    assert data["host"]["results"]["torch_fwd"]["status"] == "unavailable"
+    assert len(data["e2e"]["records"]) == len(e2e.SHAPES)
     speed_rows = data["speed"]["records"]
     assert len(speed_rows) == 2 * 3 * 2  # seqlens x modes x causal
     assert all(r["backends"]["cuflash"]["ms"] == 2.0 for r in speed_rows)
@@ -882,7 +918,7 @@ def test_run_every_table_on_fakes(monkeypatch, tmp_path, capsys):
     assert data["io"]["result"]["methods"]["standard"]["ms"] == 2.0
     with open(tmp_path / "r.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert {r["table"] for r in rows} == {"speed", "memory", "io", "sparse"}
+    assert {r["table"] for r in rows} == {"speed", "memory", "io", "sparse", "host", "e2e"}
     assert "[" in out.err  # progress lines on stderr
 
 
