@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -949,3 +950,188 @@ def test_kernel_variants():
     args = cli.parse_args(["--tables", "speed", "--hdims", "64", "--causal", "no", "--tiles",
                            "64,64,4,1"])
     assert [v.key.split("_")[0] for v in cli.kernel_variants(args)].count("fwd") == forms + 1
+
+
+# ---- host and e2e tables -----------------------------------------------------------------
+
+
+def test_host_us_is_wall_time_per_call():
+    ticks = iter([10.0, 10.5])  # start, end: 0.5 s for 1000 calls
+    calls, drained = [], []
+    us = host.host_us(lambda: calls.append(1), drained.append, calls=1000, warmup=7,
+                      clock=lambda: next(ticks))
+    assert us == pytest.approx(500.0) and len(calls) == 1007 and len(drained) == 2
+
+
+def _host_results(**us):
+    out = {c.name: {"us": us.get(c.name), "status": "ok" if c.name in us else "unavailable",
+                    "error": None if c.name in us else "JAX is not available (no jax)"}
+           for c in host.CASES}
+    return out
+
+
+def test_host_table_targets_and_footnotes():
+    results = _host_results(cupy_fwd=8.0, cupy_bwd=40.0, torch_fwd=60.0, sdpa_fwd=22.0,
+                            torch_fwdbwd=200.0, sdpa_fwdbwd=170.0)
+    results["sdpa_fwdbwd"] = {"us": None, "status": "error", "error": "RuntimeError: nope"}
+    results["torch_fwdbwd"] = {"us": None, "status": "error", "error": "CUDADriverError: boom"}
+    text = host.format_host(results, common.Footnotes())
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+            [c.strip() for c in line.strip("|").split("|")[2:]]
+            for line in text.splitlines() if line.startswith("| ") and "API" not in line}
+    assert rows[("cuflash (CuPy)", "forward")] == ["8.0", "\u2013", "<= 10 us", "met"]
+    assert rows[("cuflash (CuPy)", "backward")] == ["40.0", "\u2013", "<= 15 us", "missed"]
+    assert rows[("cuflash.torch", "forward")] == ["60.0", "+38.0 (SDPA)", "<= SDPA + 25 us", "missed"]
+    fwdbwd = rows[("cuflash.torch", "fwd + bwd (autograd)")]
+    assert fwdbwd[0].startswith("FAILED [") and fwdbwd[1:] == ["\u2013", "<= SDPA + 65 us", "\u2013"]
+    assert rows[("SDPA", "fwd + bwd (autograd)")][0].startswith("\u2013 [")
+    assert rows[("cuflash.jax", "jit(grad)")][0].startswith("\u2013 [")
+    assert rows[("cuflash.jax", "jit(grad)")][2] == "<= JAX cuDNN + 20 us"
+    text = flat(text)
+    assert "cuflash.torch fwd + bwd (autograd): CUDADriverError: boom" in text
+    assert "JAX is not available (no jax)" in text and text.count("JAX is not available") == 1
+    assert "2000 back-to-back calls" in text
+    assert host.cuflash_failures(results) == [
+        ("host: cuflash.torch fwd + bwd (autograd)", "CUDADriverError: boom")]
+
+
+def test_host_targets_are_issue_14s():
+    assert {n: (t.limit_us, t.over_peer) for n, t in host.TARGETS.items()} == {
+        "cupy_fwd": (10, False), "cupy_bwd": (15, False), "torch_fwd": (25, True),
+        "torch_fwdbwd": (65, True), "jax_fwd": (20, True), "jax_grad": (20, True)}
+    assert host.TARGETS["torch_fwd"].met(47.0, 22.0) and not host.TARGETS["torch_fwd"].met(47.1, 22.0)
+    assert host.TARGETS["torch_fwd"].met(30.0, None) is None
+
+
+class _FakeStopwatch:
+    def __init__(self, ms_per_loop):
+        self.ms = iter(ms_per_loop)
+        self.log = []
+
+    def drain(self, out):
+        self.log.append("drain")
+
+    def start(self):
+        self.log.append("start")
+
+    def stop(self, out):
+        self.log.append("stop")
+        return next(self.ms)
+
+
+def test_time_loops_sizes_loops_and_takes_medians(monkeypatch):
+    monkeypatch.setattr(e2e, "ROUND_TARGET_MS", 30.0)
+    seen = []
+    # the one-call estimate: 2 ms -> 15 calls a loop; then 5 loops of 15 calls
+    watch = _FakeStopwatch([2.0, 30.0, 45.0, 15.0, 30.0, 60.0])
+    clock = iter(range(100))  # every reading 1 s later: 1 s issuing a loop
+    got = e2e.time_loops(lambda *s: seen.append(s), [("a",), ("b",), ("c",)], watch,
+                         rounds=5, warmup=2, clock=lambda: float(next(clock)))
+    assert got["calls"] == 15 and got["ms"] == pytest.approx(2.0)  # median of 2, 3, 1, 2, 4
+    assert got["host_us"] == pytest.approx(1e6 / 15)
+    assert len(seen) == 2 + 1 + 5 * 15
+    assert [s[0] for s in seen[:6]] == ["a", "b", "c", "a", "b", "c"]  # rotating sets
+    assert watch.log[:3] == ["drain", "start", "stop"]
+
+
+def _e2e_records():
+    def ok(ms, us):
+        return {"ms": ms, "host_us": us, "calls": 10, "status": "ok", "error": None}
+    records = []
+    for shape in e2e.SHAPES:
+        backends = {"cuflash.torch": ok(2.0, 900.0), "sdpa": ok(0.5, 100.0),
+                    "sdpa_flash": ok(1.0, 90.0),
+                    "sdpa_cudnn": {"ms": None, "host_us": None, "calls": 0, "status": "error",
+                                   "error": "RuntimeError: No available kernel"}}
+        backends.update({n: {"ms": None, "host_us": None, "calls": 0, "status": "unavailable",
+                             "error": "JAX is not available (no jax)"} for n in e2e.JAX_BACKENDS})
+        records.append({"shape": {}, "label": shape.label, "backends": backends})
+    return records
+
+
+def test_e2e_tables_layout_and_footnotes():
+    text = e2e.format_e2e(_e2e_records(), common.Footnotes())
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    assert "8x12x1024x64 (GPT-2 small)" in text and "2x32x8192x128 kv 8 (GQA)" in text
+    header = next(line for line in text.splitlines() if "shape" in line and "sdpa ms" in line)
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "shape (B x H x N x d)", "cuflash ms", "host us", "sdpa ms", "vs sdpa", "flash ms",
+        "vs flash", "cudnn ms", "vs cudnn"]
+    row = next(line for line in text.splitlines() if line.startswith("| 4x32x2048x128 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:7] == ["2.000", "900", "0.500", "0.25x", "1.000", "0.50x"]
+    assert cells[7].startswith("\u2013 [") and cells[8] == "\u2013"
+    assert "sdpa_cudnn: RuntimeError: No available kernel" in text
+    assert text.count("JAX is not available (no jax)") == 1  # one footnote for every JAX cell
+    assert e2e.cuflash_failures(_e2e_records()) == []
+    wide = e2e.format_e2e(_e2e_records(), common.Footnotes(), wide=True)
+    header = next(line for line in wide.splitlines() if "shape" in line and "sdpa ms" in line)
+    assert "| sdpa host us |" in header and "| flash host us |" in header
+    row = next(line for line in wide.splitlines() if line.startswith("| 4x32x2048x128 "))
+    assert [c.strip() for c in row.strip("|").split("|")][5] == "100"
+    assert "--wide adds" not in wide
+
+
+def test_e2e_shapes_are_issue_14s():
+    dims = [(s.batch, s.heads, s.kv_heads, s.seq, s.hdim) for s in e2e.SHAPES]
+    assert dims[:4] == [(8, 12, 12, 1024, 64), (32, 12, 12, 256, 64), (4, 32, 32, 2048, 128),
+                        (1, 32, 32, 8192, 128)]
+    gqa = dims[4:]
+    assert [s[3] for s in gqa] == [2048, 4096, 8192]
+    assert all(s[1:3] == (32, 8) and s[4] == 128 and s[0] * s[3] == 16384 for s in gqa)
+
+
+def test_host_and_e2e_kernels_are_prebuilt():
+    args = cli.parse_args(["--tables", "host", "e2e"])
+    keys = {v.key for v in cli.kernel_variants(args)}
+    assert keys and all(k.startswith(("fwd_", "bwd_")) or "bwd" in k or "fwd" in k for k in keys)
+    assert e2e.variant_shapes() == {("bfloat16", 64, True), ("bfloat16", 128, True)}
+
+
+# ---- the commit printed and the JSON written ---------------------------------------------
+
+
+def _git(cwd, *argv):
+    return subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=True,
+                          env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
+                                   GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_is_the_projects_own_or_unknown(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUFLASH_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    (outer / "tree" / "cuflash").mkdir(parents=True)
+    _git(outer, "init", "-q")
+    (outer / "README").write_text("the enclosing repository\n")
+    _git(outer, "add", "README")
+    _git(outer, "commit", "-q", "-m", "outer")
+    # a copy of the tree inside another repository: not that repository's commit
+    assert common.git_commit(outer / "tree") == "unknown"
+    # the project's own repository: its commit
+    own = outer / "tree"
+    _git(own, "init", "-q")
+    (own / "cuflash" / "__init__.py").write_text("")
+    _git(own, "add", "cuflash")
+    _git(own, "commit", "-q", "-m", "own")
+    assert common.git_commit(own) == _git(own, "rev-parse", "--short", "HEAD")
+    assert common.git_commit(own) != _git(outer, "rev-parse", "--short", "HEAD")
+    plain = tmp_path / "plain"  # no repository at all
+    plain.mkdir()
+    assert common.git_commit(plain) == "unknown"
+    monkeypatch.setenv("CUFLASH_COMMIT", "abc1234")
+    assert common.git_commit(outer / "tree") == "abc1234"
+
+
+def test_json_is_compact(tmp_path):
+    records = [{"seqlen": n, "backends": {"cuflash": {"ms": 1.0, "times_ms": [1.0, 2.0, 0.5]}}}
+               for n in range(40)]
+    results = {"info": {"gpu": "x"}, "speed": {"records": records, "footnotes": []}}
+    cli.write_json(str(tmp_path / "r.json"), results)
+    text = (tmp_path / "r.json").read_text()
+    assert len(text.splitlines()) <= len(records) + 10  # a record a line
+    data = json.loads(text)
+    entry = data["speed"]["records"][3]["backends"]["cuflash"]
+    assert entry == {"ms": 1.0, "calls": 3, "min_ms": 0.5, "max_ms": 2.0}
+    assert results["speed"]["records"][3]["backends"]["cuflash"]["times_ms"] == [1.0, 2.0, 0.5]
