@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import requires_gpu
 from cpu_fakes import NumpyAsCupy
 from cuflash import reference as ref
 from cuflash.bench import cli, common, e2e, host, io, memory, sparse, speed
@@ -1135,3 +1136,29 @@ def test_json_is_compact(tmp_path):
     entry = data["speed"]["records"][3]["backends"]["cuflash"]
     assert entry == {"ms": 1.0, "calls": 3, "min_ms": 0.5, "max_ms": 2.0}
     assert results["speed"]["records"][3]["backends"]["cuflash"]["times_ms"] == [1.0, 2.0, 0.5]
+
+
+@requires_gpu
+def test_host_and_e2e_run_on_the_gpu():
+    """The host and e2e measurements end to end at small sizes: every cuflash row measured
+    (JAX rows may be unavailable), the tables within 120 columns."""
+    env = common.setup_env("bfloat16")
+    with env.stream():
+        measured = host.run_host(env, calls=50)
+        records = e2e.run_e2e(env, shapes=(e2e.Shape(2, 4, 2, 256, 64, "tiny GQA"),))
+    assert host.cuflash_failures(measured) == [] and e2e.cuflash_failures(records) == []
+    frameworks = ["cupy"] + (["torch"] if env.torch is not None else [])
+    for case in host.CASES:
+        entry = measured[case.name]
+        if case.framework in frameworks:
+            assert entry["status"] == "ok" and 0 < entry["us"] < 1e5, (case.name, entry)
+        else:
+            assert entry["status"] in ("ok", "unavailable"), (case.name, entry)
+    mine = records[0]["backends"]["cuflash.torch"]
+    if env.torch is not None:
+        assert mine["status"] == "ok" and mine["ms"] > 0 and mine["host_us"] > 0
+        assert mine["calls"] >= e2e.MIN_CALLS
+    assert records[0]["backends"]["cuflash.jax"]["status"] in ("ok", "unavailable")
+    for text in (host.format_host(measured, common.Footnotes()),
+                 e2e.format_e2e(records, common.Footnotes())):
+        assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
