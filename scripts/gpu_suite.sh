@@ -42,7 +42,8 @@ for stage in $stages; do
         -n "${PYTEST_WORKERS:-12}" "${extra[@]}" 2>&1 | tee "$OUT/tests.log" >/dev/null
       rc=${PIPESTATUS[0]}
       if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-        summary+=("tests: CUT OFF after $budget s: $(grep -cE ' PASSED ' "$OUT/tests.log") passed, $(grep -cE ' (FAILED|ERROR) ' "$OUT/tests.log") failed so far")
+        passed=$(grep -cE ' PASSED ' "$OUT/tests.log"); failures=$(grep -cE ' (FAILED|ERROR) ' "$OUT/tests.log")
+        summary+=("tests: CUT OFF after $budget s: $passed passed, $failures failed so far")
       else
         summary+=("tests (${markers:-all}): $(tail -n 1 "$OUT/tests.log") ($SECONDS s)")
       fi

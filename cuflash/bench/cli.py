@@ -260,7 +260,7 @@ def csv_rows(results: dict) -> list:
                              error=e.get("error")))
     for name, e in ((results.get("host") or {}).get("results") or {}).items():
         b, h, n, d = host.HOST_SHAPE
-        rows.append(_row(table="host", dtype="bfloat16", mode=host.CASE_BY_NAME[name].call,
+        rows.append(_row(table="host", dtype="bfloat16", mode=host.CASE_BY_NAME[name].mode,
                          seqlen=n, hdim=d, batch=b, heads=h, kv_heads=h, causal=host.CAUSAL,
                          backend=name, status=e["status"], host_us=e["us"], error=e["error"]))
     for r in (results.get("e2e") or {}).get("records", []):

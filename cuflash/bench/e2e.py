@@ -309,7 +309,8 @@ def _ratio(mine: Optional[dict], theirs: Optional[dict]) -> str:
     return f"{theirs['ms'] / mine['ms']:.2f}x"
 
 
-def format_e2e(records: list, notes: Footnotes, tablefmt: str = "github", wide: bool = False) -> str:
+def format_e2e(records: list, notes: Footnotes, tablefmt: str = "github",
+               wide: bool = False) -> str:
 
     blocks = []
     for framework, names, what in (

@@ -36,6 +36,7 @@ class Case:
     name: str  # the JSON key
     api: str  # table label of the API
     call: str  # what one call does
+    mode: str  # fwd | bwd | fwdbwd, as in the speed table
     framework: str  # cupy | torch | jax
     peer: Optional[str] = None  # the case it is compared to
     is_cuflash: bool = True
@@ -48,7 +49,8 @@ class Target:
     over_peer: bool
 
     def label(self, peer_api: Optional[str]) -> str:
-        return f"<= {peer_api} + {self.limit_us:g} us" if self.over_peer else f"<= {self.limit_us:g} us"
+        bound = f"{self.limit_us:g} us"
+        return f"<= {peer_api} + {bound}" if self.over_peer else f"<= {bound}"
 
     def met(self, us: Optional[float], peer_us: Optional[float]) -> Optional[bool]:
         if us is None or (self.over_peer and peer_us is None):
@@ -57,18 +59,19 @@ class Target:
 
 
 CASES = (
-    Case("cupy_fwd", "cuflash (CuPy)", "forward", "cupy"),
-    Case("cupy_bwd", "cuflash (CuPy)", "backward", "cupy"),
-    Case("torch_fwd", "cuflash.torch", "forward", "torch", peer="sdpa_fwd"),
-    Case("torch_fwdbwd", "cuflash.torch", "fwd + bwd (autograd)", "torch", peer="sdpa_fwdbwd"),
-    Case("sdpa_fwd", "SDPA", "forward", "torch", is_cuflash=False),
-    Case("sdpa_fwdbwd", "SDPA", "fwd + bwd (autograd)", "torch", is_cuflash=False),
-    Case("jax_fwd", "cuflash.jax", "jit forward", "jax", peer="jax_cudnn_fwd"),
-    Case("jax_grad", "cuflash.jax", "jit(grad)", "jax", peer="jax_cudnn_grad"),
-    Case("jax_cudnn_fwd", "JAX cuDNN", "jit forward", "jax", is_cuflash=False),
-    Case("jax_cudnn_grad", "JAX cuDNN", "jit(grad)", "jax", is_cuflash=False),
-    Case("jax_xla_fwd", "JAX XLA", "jit forward", "jax", is_cuflash=False),
-    Case("jax_xla_grad", "JAX XLA", "jit(grad)", "jax", is_cuflash=False),
+    Case("cupy_fwd", "cuflash (CuPy)", "forward", "fwd", "cupy"),
+    Case("cupy_bwd", "cuflash (CuPy)", "backward", "bwd", "cupy"),
+    Case("torch_fwd", "cuflash.torch", "forward", "fwd", "torch", peer="sdpa_fwd"),
+    Case("torch_fwdbwd", "cuflash.torch", "fwd + bwd (autograd)", "fwdbwd", "torch",
+         peer="sdpa_fwdbwd"),
+    Case("sdpa_fwd", "SDPA", "forward", "fwd", "torch", is_cuflash=False),
+    Case("sdpa_fwdbwd", "SDPA", "fwd + bwd (autograd)", "fwdbwd", "torch", is_cuflash=False),
+    Case("jax_fwd", "cuflash.jax", "jit forward", "fwd", "jax", peer="jax_cudnn_fwd"),
+    Case("jax_grad", "cuflash.jax", "jit(grad)", "fwdbwd", "jax", peer="jax_cudnn_grad"),
+    Case("jax_cudnn_fwd", "JAX cuDNN", "jit forward", "fwd", "jax", is_cuflash=False),
+    Case("jax_cudnn_grad", "JAX cuDNN", "jit(grad)", "fwdbwd", "jax", is_cuflash=False),
+    Case("jax_xla_fwd", "JAX XLA", "jit forward", "fwd", "jax", is_cuflash=False),
+    Case("jax_xla_grad", "JAX XLA", "jit(grad)", "fwdbwd", "jax", is_cuflash=False),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 TARGETS = {  # issue 14, "Adapters as thin as the peers'"
@@ -322,7 +325,8 @@ def format_host(results: dict, notes: Footnotes, tablefmt: str = "github") -> st
         us = entry["us"] if entry else None
         peer = CASE_BY_NAME.get(case.peer) if case.peer else None
         peer_us = (results.get(peer.name) or {}).get("us") if peer else None
-        over = f"{us - peer_us:+.1f} ({peer.api})" if us is not None and peer_us is not None else DASH
+        both = us is not None and peer_us is not None
+        over = f"{us - peer_us:+.1f} ({peer.api})" if both else DASH
         target = TARGETS.get(case.name)
         met = target.met(us, peer_us) if target else None
         rows.append([case.api, case.call, _us_cell(case, entry, notes), over,
