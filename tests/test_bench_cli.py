@@ -1081,6 +1081,9 @@ def test_e2e_shapes_are_issue_14s():
     gqa = dims[4:]
     assert [s[3] for s in gqa] == [2048, 4096, 8192]
     assert all(s[1:3] == (32, 8) and s[4] == 128 and s[0] * s[3] == 16384 for s in gqa)
+    l2 = types.SimpleNamespace(l2_bytes=60 * 10**6)
+    assert e2e.input_set_count(l2, e2e.SHAPES[0]) == 3  # 4 x 12.6 MB a set, > 120 MB in all
+    assert e2e.input_set_count(l2, e2e.SHAPES[3]) == 2  # 4 x 67 MB a set
 
 
 def test_host_and_e2e_kernels_are_prebuilt():

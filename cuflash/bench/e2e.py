@@ -173,13 +173,18 @@ def torch_attend(env, name: str, gqa: bool) -> tuple:
     return attend, lambda: sdpa_kernel(which)
 
 
+def input_set_count(env, shape: Shape) -> int:
+    """bf16 (q, k, v, dO) sets to rotate among: together more than twice L2."""
+    kv = (shape.batch, shape.kv_heads, shape.seq, shape.hdim)
+    return common.num_input_sets(2 * (2 * math.prod(shape.dims) + 2 * math.prod(kv)), env.l2_bytes)
+
+
 def torch_sets(env, shape: Shape) -> list:
     """(q, k, v, dO) sets, q, k, v leaves that require grad."""
     torch = env.torch
     kv = (shape.batch, shape.kv_heads, shape.seq, shape.hdim)
-    set_bytes = 2 * (2 * math.prod(shape.dims) + 2 * math.prod(kv))
     sets = []
-    for _ in range(common.num_input_sets(set_bytes, env.l2_bytes)):
+    for _ in range(input_set_count(env, shape)):
         q, do = (torch.randn(shape.dims, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         k, v = (torch.randn(kv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sets.append(tuple(x.requires_grad_() for x in (q, k, v)) + (do,))
@@ -198,10 +203,8 @@ def run_torch(env, name: str, shape: Shape, sets: list) -> dict:
 
 
 def jax_sets(jax, env, shape: Shape, layout: str) -> list:
-    kv = (shape.batch, shape.kv_heads, shape.seq, shape.hdim)
-    set_bytes = 2 * (2 * math.prod(shape.dims) + 2 * math.prod(kv))
-    count = common.num_input_sets(set_bytes, env.l2_bytes)
-    return [host.jax_inputs(jax, shape.dims, shape.kv_heads, layout, seed) for seed in range(count)]
+    return [host.jax_inputs(jax, shape.dims, shape.kv_heads, layout, seed)
+            for seed in range(input_set_count(env, shape))]
 
 
 def run_jax(jax, env, name: str, shape: Shape, sets_of: Callable) -> dict:
