@@ -1089,8 +1089,11 @@ def test_e2e_shapes_are_issue_14s():
 def test_host_and_e2e_kernels_are_prebuilt():
     args = cli.parse_args(["--tables", "host", "e2e"])
     keys = {v.key for v in cli.kernel_variants(args)}
-    assert keys and all(k.startswith(("fwd_", "bwd_")) or "bwd" in k or "fwd" in k for k in keys)
     assert e2e.variant_shapes() == {("bfloat16", 64, True), ("bfloat16", 128, True)}
+    for d in (64, 128):  # the causal bf16 forwards of both head dims, and nothing else forward
+        forms = cli.forward_forms("bfloat16", d, True, wgmma=common.device_has_wgmma())
+        assert {v.key for v in forms} <= keys
+    assert len([k for k in keys if k.startswith("fwd_")]) == 2 * len(forms)
 
 
 # ---- the commit printed and the JSON written ---------------------------------------------
