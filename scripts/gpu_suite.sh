@@ -1,36 +1,61 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call (what every session and reviewer runs on the device):
-#   scripts/gpu_suite.sh [warm] [tests] [bench] [compile]     (default: all)
-# Logs go to $OUT (or ./gpu-logs); a short summary is printed last. PYTEST_WORKERS (default 12)
-# sets the test processes; BENCH_ARGS is added to the cuflash-bench command line.
+# The whole GPU suite in one device call of at most 10 minutes:
+#   scripts/gpu_suite.sh [warm] [tests] [bench] [compile]     (default: warm tests bench)
+# Logs go to $OUT (or ./gpu-logs); a short summary is printed last. The stages share
+# SUITE_SECONDS (540): the tests stop where the bench's share (BENCH_SECONDS, 270; the default
+# run took 141 s at b349b6c, before the host and e2e tables) would start, and the bench gets
+# what is left, so a slow test cannot take the bench's turn; with pytest-timeout installed a
+# test running past TEST_TIMEOUT (180 s) fails by name instead. The tests stage runs the tests
+# marked with TEST_MARKERS (default "not nvrtc": the NVRTC builds of every variant need no GPU
+# and run in CI, and on the device they compete with the GPU tests for the CPU; TEST_MARKERS=""
+# runs everything). PYTEST_WORKERS (default 12) sets the test processes; BENCH_ARGS is added to
+# the cuflash-bench command line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stages=${*:-warm tests bench compile}
+stages=${*:-warm tests bench}
+suite=${SUITE_SECONDS:-540}
+bench_share=${BENCH_SECONDS:-270}
+markers=${TEST_MARKERS-not nvrtc}
 summary=()
+left() { local n=$((suite - SECONDS - ${1:-0})); echo $((n > 30 ? n : 30)); }  # never 0: timeout 0 waits forever
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import cupy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__)"
   python3 -c "import torch; print('torch', torch.__version__)" 2>&1
-  echo "commit ${CUFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  python3 -c "import jax; print('jax', jax.__version__)" 2>&1 | tail -n 1
+  python3 -c "from cuflash.bench.common import git_commit; print('commit', git_commit())"
 } > "$OUT/env.txt" 2>&1
 for stage in $stages; do
   case $stage in
     warm)  # build every variant for this GPU in parallel, into CuPy's disk cache
-      summary+=("warm: $(python3 -m cuflash.compile_check --warm 2>&1 | tail -n 1)")
+      summary+=("warm: $(python3 -m cuflash.compile_check --warm 2>&1 | tail -n 1) ($SECONDS s)")
       ;;
-    tests)  # -v: every result line names its test as it lands, so a cut-off run still says which failed
-      python3 -m pytest tests -v -rs -p no:cacheprovider -n "${PYTEST_WORKERS:-12}" 2>&1 | tee "$OUT/tests.log" >/dev/null
-      summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+    tests)  # -v: every result line names its test as it lands, so a cut-off run still says which ran
+      budget=$(left)
+      [[ " $stages " == *" bench "* ]] && budget=$(left "$bench_share")
+      extra=()
+      [ -n "$markers" ] && extra+=(-m "$markers")
+      python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${TEST_TIMEOUT:-180}")
+      timeout --kill-after=10 "$budget" python3 -m pytest tests -v -rs -p no:cacheprovider \
+        -n "${PYTEST_WORKERS:-12}" "${extra[@]}" 2>&1 | tee "$OUT/tests.log" >/dev/null
+      rc=${PIPESTATUS[0]}
+      if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        passed=$(grep -cE ' PASSED ' "$OUT/tests.log"); failures=$(grep -cE ' (FAILED|ERROR) ' "$OUT/tests.log")
+        summary+=("tests: CUT OFF after $budget s: $passed passed, $failures failed so far")
+      else
+        summary+=("tests (${markers:-all}): $(tail -n 1 "$OUT/tests.log") ($SECONDS s)")
+      fi
       failed=$(grep -E " (FAILED|ERROR) tests/" "$OUT/tests.log" | sed 's/^.* \(FAILED\|ERROR\) /\1 /' | sort -u)
       [ -n "$failed" ] && summary+=("$failed")
       ;;
-    bench)  # cuflash-bench: speed, memory, IO and block-sparse tables
-      python3 -m bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
-      summary+=("bench: rc=${PIPESTATUS[0]} (tables above, $OUT/bench.md)")
+    bench)  # cuflash-bench, the default run: speed, memory, io, sparse, host and e2e tables
+      timeout --kill-after=10 "$(left)" python3 -m bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \
+        --csv "$OUT/bench.csv" --plot "$OUT/bench.png" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
+      summary+=("bench: rc=${PIPESTATUS[0]} ($SECONDS s; tables above, $OUT/bench.md)")
       ;;
-    compile)
+    compile)  # NVRTC's report of every variant (CI builds them too); not in the default stages
       python3 -m cuflash.compile_check > "$OUT/compile_check.txt" 2>&1
       summary+=("compile: $(tail -n 1 "$OUT/compile_check.txt")")
       ;;

@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -19,14 +20,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import requires_gpu
 from cpu_fakes import NumpyAsCupy
 from cuflash import reference as ref
-from cuflash.bench import cli, common, io, memory, sparse, speed
+from cuflash.bench import cli, common, e2e, host, io, memory, sparse, speed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
 GPT2 = dict(n=1024, d=64, heads=16, batch=64)
 HB = 16 * 64  # heads * batch of GPT-2 medium
+
+
+def flat(text: str) -> str:
+    """text with its captions' line wraps undone (every run of whitespace one space)."""
+    return " ".join(text.split())
 
 
 def run_cli(*argv, cwd=REPO_ROOT, module="bench"):
@@ -241,7 +248,8 @@ def test_run_ncu_reports_failure(tmp_path):
 
 def test_defaults():
     args = cli.parse_args([])
-    assert args.tables == ["speed", "memory", "io", "sparse"]
+    assert args.tables == ["speed", "memory", "io", "sparse", "host", "e2e"]
+    assert not args.wide
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
     assert args.hdims == [64, 128] and args.dtypes == ["bfloat16"]
     assert args.causal == "both" and args.causal_modes == [False, True]
@@ -319,7 +327,9 @@ def test_step_counts():
     assert memory.count_steps(margs) == 6 * 2
     assert sparse.count_steps(args) == 2 * 7 * 2  # 2 modes x 7 patterns x (cuflash + flex)
     assert io.count_steps(args) == 2 + len(io.SWEEP_TILES)
-    assert cli.count_steps(args) == 1 + 8 + 12 + 6 + 28
+    assert host.count_steps(args) == len(host.CASES) == 12
+    assert e2e.count_steps(args) == 7 * 7  # shapes x (4 torch + 3 JAX backends)
+    assert cli.count_steps(args) == 1 + 8 + 12 + 6 + 28 + 12 + 49
 
 
 # ---- timing and progress -----------------------------------------------------------------
@@ -413,7 +423,7 @@ def _speed_records(dtypes=("bfloat16",)):
 
 
 def test_speed_tables_layout():
-    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no"])
+    args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no", "--wide"])
     notes = common.Footnotes()
     text = speed.format_tables(_speed_records(), args, {"matmul_tflops": 275.0}, None, notes)
     for title in ("forward, causal=no, head dim 64, bfloat16",
@@ -429,14 +439,14 @@ def test_speed_tables_layout():
     assert "137.4" in text and "50.0%" in text  # 137.4 TFLOP/s of 275
     assert "2.00x" in text and "0.50x" in text and "OOM" in text
     assert "[1] PyTorch SDPA columns: PyTorch sees no CUDA device" in text
-    assert "forward + backward 3.5 x that" in text
+    assert "forward + backward 3.5 x that" in flat(text)
     assert text.count("[1]") >= 4  # one footnote, referenced in every table
 
 
 def test_speed_tables_cuflash_failure_and_dtypes():
     args = cli.parse_args(["--seqlens", "1024", "--hdims", "64", "--causal", "no",
                            "--dtypes", "bfloat16", "float16", "--modes", "fwd",
-                           "--peers", "standard"])
+                           "--peers", "standard", "--wide"])
     records = _speed_records(("bfloat16", "float16"))
     records = [r for r in records if r["mode"] == "fwd"]
     records[1]["backends"]["cuflash"] = _entry(None, 1, "error", "CUDADriverError: boom")
@@ -516,7 +526,9 @@ def test_memory_table_shows_growth_and_oom_point():
     assert margs.heads == 16 and margs.peers == ["sdpa_flash", "sdpa_efficient", "standard"]
     text = memory.format_table(_memory_records(), margs, common.Footnotes(),
                                device_bytes=141 * 2**30)
-    assert "cuflash MiB" in text and "standard MiB" in text and "sdpa_efficient MiB" in text
+    assert "cuflash MiB" in text and "standard MiB" in text and "efficient MiB" in text
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    text = flat(text)
     assert "growth, cuflash: 4096->8192 (2x seq): x2.00 (linear)" in text
     assert "growth, standard: 4096->8192 (2x seq): x4.00 (quadratic)" in text
     assert "standard attention runs out of memory from seq 32768 on (the longest that ran: 16384)" in text
@@ -533,6 +545,8 @@ def test_io_table_analytical():
     assert result["shape"] == {"seq": 1024, "hdim": 64, "heads": 16, "batch": 64}
     notes = common.Footnotes()
     text = io.format_io(result, notes, no_gpu_reason=cli.NO_GPU_RUNTIME)
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    text = flat(text)
     assert "IO: GPT-2 medium attention, forward + backward" in text
     assert "bytes: analytical count" in text and "(ncu)" not in text
     assert "| GFLOP" in text and "824.6" in text  # 12 N^2 d x 1024 heads
@@ -553,7 +567,7 @@ def test_io_table_measured():
                                         ncu={"status": "error", "error": "ncu failed: ERR_NVGPUCTRPERM"})
     for k, row in enumerate(result["sweep"]):
         row.update(ms=1.0 + k, status="ok", ncu={"status": "ok", "read": 2e9, "write": 1e8})
-    text = io.format_io(result, common.Footnotes())
+    text = flat(io.format_io(result, common.Footnotes()))
     assert "bytes: measured by ncu" in text
     assert "read + write GB (ncu)" in text and "42.00" in text
     assert "ncu failed: ERR_NVGPUCTRPERM" in text
@@ -631,9 +645,10 @@ def test_sparse_table_layout():
     args = cli.parse_args(["--modes", "fwd"])
     text = sparse.format_sparse(_sparse_records(), args, common.Footnotes())
     assert "block-sparse forward, seq 8192, head dim 64, 2 x 32" in text
-    for column in ("pattern", "density", "cuflash ms", "cuflash speedup over dense", "flex ms",
-                   "flex speedup over dense", "cuflash / flex"):
+    for column in ("pattern", "density", "cuflash ms", "cuflash vs dense", "flex ms",
+                   "flex vs dense", "cuflash / flex"):
         assert column in text
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
     assert "4.000" in text and "1.25x" in text  # dense: flex 5 / cuflash 4
     assert "5.00x" in text  # flex butterfly: 5 ms dense / 1 ms
     assert f"[1] {sparse.NOT_IN_BUILD}" in text
@@ -726,8 +741,8 @@ def test_import_needs_neither_cupy_nor_torch():
     assert out.stdout.strip() == "False False"
 
 
-@pytest.mark.parametrize("argv", [["--tables", "speed"], [], ["--tables", "io", "--io"],
-                                  ["--tables", "io", "memory"]])
+@pytest.mark.parametrize("argv", [["--tables", "speed"], ["--tables", "io", "--io"],
+                                  ["--tables", "host", "e2e"]])
 def test_no_gpu_exits_with_one_line(argv):
     out = run_cli(*argv)
     assert out.returncode == 2
@@ -735,11 +750,21 @@ def test_no_gpu_exits_with_one_line(argv):
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize("argv", [[], ["--tables", "io", "memory"]])
+def test_no_gpu_prints_the_io_table_then_exits(argv):
+    """The tables that need no GPU come first, then the one line and exit status 2."""
+    out = run_cli(*argv)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "cuflash-bench: no CUDA device found"
+    assert "IO: GPT-2 medium attention" in out.stdout and "runtime not measured" in out.stdout
+    assert max(len(line) for line in out.stdout.splitlines()) <= common.CAPTION_WIDTH
+
+
 def test_no_gpu_io_table_prints(tmp_path):
     out = run_cli("--tables", "io", "--json", str(tmp_path / "io.json"),
                   "--csv", str(tmp_path / "io.csv"))
     assert out.returncode == 0, out.stderr
-    assert "IO: GPT-2 medium attention" in out.stdout and "bytes: analytical count" in out.stdout
+    assert "IO: GPT-2 medium attention" in out.stdout and "bytes: analytical count" in flat(out.stdout)
     assert "no CUDA device found: runtime not measured" in out.stdout
     data = json.loads((tmp_path / "io.json").read_text())
     assert data["io"]["result"]["bytes_source"] == "analytical"
@@ -851,6 +876,12 @@ def _fake_run(monkeypatch, tmp_path, argv, fail_cuflash=False):
         return ((fwd(False).fn if mode == "fwd" else both(False).fn), None), None
 
     monkeypatch.setattr(sparse, "cuflash_case", cuflash_case)
+
+    def cupy_calls(env):  # host rows: calls that cost no GPU work, or fail as asked
+        return {name: (check, lambda out: None) for name in ("cupy_fwd", "cupy_bwd")}
+
+    monkeypatch.setattr(host, "cupy_calls", cupy_calls)
+    monkeypatch.setattr(host, "load_jax", lambda: (None, "no JAX in this test"))
     args = cli.parse_args(argv + ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")])
     return cli.run(args)
 
@@ -867,14 +898,21 @@ def test_run_every_table_on_fakes(monkeypatch, tmp_path, capsys):
                   "forward + backward, causal=yes, head dim 16, float32",
                   "peak extra memory of forward + backward",
                   "IO: GPT-2 medium attention", "IO: bytes moved and runtime against the tile size",
-                  "block-sparse forward, seq 256", "block-sparse forward + backward, seq 256"):
+                  "block-sparse forward, seq 256", "block-sparse forward + backward, seq 256",
+                  "host: CPU microseconds per call", "e2e: PyTorch, forward + backward",
+                  "e2e: JAX"):
         assert title in text
+    assert "no JAX in this test" in text and "cuflash (CuPy) | forward" in text
     assert "PyTorch SDPA columns: no torch in this test" in text
     if sparse.load_masks()[0] is not None:
         assert sparse.NOT_IN_BUILD in text and "butterfly(2)" in text
     assert "FAILED" not in text
     data = json.loads((tmp_path / "r.json").read_text())
-    assert set(data) >= {"info", "settings", "ceilings", "speed", "memory", "io", "sparse"}
+    assert set(data) >= {"info", "settings", "ceilings", "speed", "memory", "io", "sparse",
+                         "host", "e2e"}
+    assert data["host"]["results"]["cupy_fwd"]["status"] == "ok"
+    assert data["host"]["results"]["torch_fwd"]["status"] == "unavailable"
+    assert len(data["e2e"]["records"]) == len(e2e.SHAPES)
     speed_rows = data["speed"]["records"]
     assert len(speed_rows) == 2 * 3 * 2  # seqlens x modes x causal
     assert all(r["backends"]["cuflash"]["ms"] == 2.0 for r in speed_rows)
@@ -882,7 +920,7 @@ def test_run_every_table_on_fakes(monkeypatch, tmp_path, capsys):
     assert data["io"]["result"]["methods"]["standard"]["ms"] == 2.0
     with open(tmp_path / "r.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert {r["table"] for r in rows} == {"speed", "memory", "io", "sparse"}
+    assert {r["table"] for r in rows} == {"speed", "memory", "io", "sparse", "host", "e2e"}
     assert "[" in out.err  # progress lines on stderr
 
 
@@ -913,3 +951,220 @@ def test_kernel_variants():
     args = cli.parse_args(["--tables", "speed", "--hdims", "64", "--causal", "no", "--tiles",
                            "64,64,4,1"])
     assert [v.key.split("_")[0] for v in cli.kernel_variants(args)].count("fwd") == forms + 1
+
+
+# ---- host and e2e tables -----------------------------------------------------------------
+
+
+def test_host_us_is_wall_time_per_call():
+    ticks = iter([10.0, 10.5])  # start, end: 0.5 s for 1000 calls
+    calls, drained = [], []
+    us = host.host_us(lambda: calls.append(1), drained.append, calls=1000, warmup=7,
+                      clock=lambda: next(ticks))
+    assert us == pytest.approx(500.0) and len(calls) == 1007 and len(drained) == 2
+
+
+def _host_results(**us):
+    out = {c.name: {"us": us.get(c.name), "status": "ok" if c.name in us else "unavailable",
+                    "error": None if c.name in us else "JAX is not available (no jax)"}
+           for c in host.CASES}
+    return out
+
+
+def test_host_table_targets_and_footnotes():
+    results = _host_results(cupy_fwd=8.0, cupy_bwd=40.0, torch_fwd=60.0, sdpa_fwd=22.0,
+                            torch_fwdbwd=200.0, sdpa_fwdbwd=170.0)
+    results["sdpa_fwdbwd"] = {"us": None, "status": "error", "error": "RuntimeError: nope"}
+    results["torch_fwdbwd"] = {"us": None, "status": "error", "error": "CUDADriverError: boom"}
+    text = host.format_host(results, common.Footnotes())
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+            [c.strip() for c in line.strip("|").split("|")[2:]]
+            for line in text.splitlines() if line.startswith("| ") and "API" not in line}
+    assert rows[("cuflash (CuPy)", "forward")] == ["8.0", "\u2013", "<= 10 us", "met"]
+    assert rows[("cuflash (CuPy)", "backward")] == ["40.0", "\u2013", "<= 15 us", "missed"]
+    assert rows[("cuflash.torch", "forward")] == ["60.0", "+38.0 (SDPA)", "<= SDPA + 25 us", "missed"]
+    fwdbwd = rows[("cuflash.torch", "fwd + bwd (autograd)")]
+    assert fwdbwd[0].startswith("FAILED [") and fwdbwd[1:] == ["\u2013", "<= SDPA + 65 us", "\u2013"]
+    assert rows[("SDPA", "fwd + bwd (autograd)")][0].startswith("\u2013 [")
+    assert rows[("cuflash.jax", "jit(grad)")][0].startswith("\u2013 [")
+    assert rows[("cuflash.jax", "jit(grad)")][2] == "<= JAX cuDNN + 20 us"
+    text = flat(text)
+    assert "cuflash.torch fwd + bwd (autograd): CUDADriverError: boom" in text
+    assert "JAX is not available (no jax)" in text and text.count("JAX is not available") == 1
+    assert "2000 back-to-back calls" in text
+    assert host.cuflash_failures(results) == [
+        ("host: cuflash.torch fwd + bwd (autograd)", "CUDADriverError: boom")]
+
+
+def test_host_targets_are_issue_14s():
+    assert {n: (t.limit_us, t.over_peer) for n, t in host.TARGETS.items()} == {
+        "cupy_fwd": (10, False), "cupy_bwd": (15, False), "torch_fwd": (25, True),
+        "torch_fwdbwd": (65, True), "jax_fwd": (20, True), "jax_grad": (20, True)}
+    assert host.TARGETS["torch_fwd"].met(47.0, 22.0) and not host.TARGETS["torch_fwd"].met(47.1, 22.0)
+    assert host.TARGETS["torch_fwd"].met(30.0, None) is None
+
+
+class _FakeStopwatch:
+    def __init__(self, ms_per_loop):
+        self.ms = iter(ms_per_loop)
+        self.log = []
+
+    def drain(self, out):
+        self.log.append("drain")
+
+    def start(self):
+        self.log.append("start")
+
+    def stop(self, out):
+        self.log.append("stop")
+        return next(self.ms)
+
+
+def test_time_loops_sizes_loops_and_takes_medians(monkeypatch):
+    monkeypatch.setattr(e2e, "ROUND_TARGET_MS", 30.0)
+    seen = []
+    # the one-call estimate: 2 ms -> 15 calls a loop; then 5 loops of 15 calls
+    watch = _FakeStopwatch([2.0, 30.0, 45.0, 15.0, 30.0, 60.0])
+    clock = iter(range(100))  # every reading 1 s later: 1 s issuing a loop
+    got = e2e.time_loops(lambda *s: seen.append(s), [("a",), ("b",), ("c",)], watch,
+                         rounds=5, warmup=2, clock=lambda: float(next(clock)))
+    assert got["calls"] == 15 and got["ms"] == pytest.approx(2.0)  # median of 2, 3, 1, 2, 4
+    assert got["host_us"] == pytest.approx(1e6 / 15)
+    assert len(seen) == 2 + 1 + 5 * 15
+    assert [s[0] for s in seen[:6]] == ["a", "b", "c", "a", "b", "c"]  # rotating sets
+    assert watch.log[:3] == ["drain", "start", "stop"]
+
+
+def _e2e_records():
+    def ok(ms, us):
+        return {"ms": ms, "host_us": us, "calls": 10, "status": "ok", "error": None}
+    records = []
+    for shape in e2e.SHAPES:
+        backends = {"cuflash.torch": ok(2.0, 900.0), "sdpa": ok(0.5, 100.0),
+                    "sdpa_flash": ok(1.0, 90.0),
+                    "sdpa_cudnn": {"ms": None, "host_us": None, "calls": 0, "status": "error",
+                                   "error": "RuntimeError: No available kernel"}}
+        backends.update({n: {"ms": None, "host_us": None, "calls": 0, "status": "unavailable",
+                             "error": "JAX is not available (no jax)"} for n in e2e.JAX_BACKENDS})
+        records.append({"shape": {}, "label": shape.label, "backends": backends})
+    return records
+
+
+def test_e2e_tables_layout_and_footnotes():
+    text = e2e.format_e2e(_e2e_records(), common.Footnotes())
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    assert "8x12x1024x64 (GPT-2 small)" in text and "2x32x8192x128 kv 8 (GQA)" in text
+    header = next(line for line in text.splitlines() if "shape" in line and "sdpa ms" in line)
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "shape (B x H x N x d)", "cuflash ms", "host us", "sdpa ms", "vs sdpa", "flash ms",
+        "vs flash", "cudnn ms", "vs cudnn"]
+    row = next(line for line in text.splitlines() if line.startswith("| 4x32x2048x128 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:7] == ["2.000", "900", "0.500", "0.25x", "1.000", "0.50x"]
+    assert cells[7].startswith("\u2013 [") and cells[8] == "\u2013"
+    assert "sdpa_cudnn: RuntimeError: No available kernel" in text
+    assert text.count("JAX is not available (no jax)") == 1  # one footnote for every JAX cell
+    assert e2e.cuflash_failures(_e2e_records()) == []
+    wide = e2e.format_e2e(_e2e_records(), common.Footnotes(), wide=True)
+    header = next(line for line in wide.splitlines() if "shape" in line and "sdpa ms" in line)
+    assert "| sdpa host us |" in header and "| flash host us |" in header
+    row = next(line for line in wide.splitlines() if line.startswith("| 4x32x2048x128 "))
+    assert [c.strip() for c in row.strip("|").split("|")][5] == "100"
+    assert "--wide adds" not in wide
+
+
+def test_e2e_shapes_are_issue_14s():
+    dims = [(s.batch, s.heads, s.kv_heads, s.seq, s.hdim) for s in e2e.SHAPES]
+    assert dims[:4] == [(8, 12, 12, 1024, 64), (32, 12, 12, 256, 64), (4, 32, 32, 2048, 128),
+                        (1, 32, 32, 8192, 128)]
+    gqa = dims[4:]
+    assert [s[3] for s in gqa] == [2048, 4096, 8192]
+    assert all(s[1:3] == (32, 8) and s[4] == 128 and s[0] * s[3] == 16384 for s in gqa)
+    l2 = types.SimpleNamespace(l2_bytes=60 * 10**6)
+    assert e2e.input_set_count(l2, e2e.SHAPES[0]) == 3  # 4 x 12.6 MB a set, > 120 MB in all
+    assert e2e.input_set_count(l2, e2e.SHAPES[3]) == 2  # 4 x 67 MB a set
+
+
+def test_host_and_e2e_kernels_are_prebuilt():
+    args = cli.parse_args(["--tables", "host", "e2e"])
+    keys = {v.key for v in cli.kernel_variants(args)}
+    assert e2e.variant_shapes() == {("bfloat16", 64, True), ("bfloat16", 128, True)}
+    for d in (64, 128):  # the causal bf16 forwards of both head dims, and nothing else forward
+        forms = cli.forward_forms("bfloat16", d, True, wgmma=common.device_has_wgmma())
+        assert {v.key for v in forms} <= keys
+    assert len([k for k in keys if k.startswith("fwd_")]) == 2 * len(forms)
+
+
+# ---- the commit printed and the JSON written ---------------------------------------------
+
+
+def _git(cwd, *argv):
+    return subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=True,
+                          env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
+                                   GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_is_the_projects_own_or_unknown(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUFLASH_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    (outer / "tree" / "cuflash").mkdir(parents=True)
+    _git(outer, "init", "-q")
+    (outer / "README").write_text("the enclosing repository\n")
+    _git(outer, "add", "README")
+    _git(outer, "commit", "-q", "-m", "outer")
+    # a copy of the tree inside another repository: not that repository's commit
+    assert common.git_commit(outer / "tree") == "unknown"
+    # the project's own repository: its commit
+    own = outer / "tree"
+    _git(own, "init", "-q")
+    (own / "cuflash" / "__init__.py").write_text("")
+    _git(own, "add", "cuflash")
+    _git(own, "commit", "-q", "-m", "own")
+    assert common.git_commit(own) == _git(own, "rev-parse", "--short", "HEAD")
+    assert common.git_commit(own) != _git(outer, "rev-parse", "--short", "HEAD")
+    plain = tmp_path / "plain"  # no repository at all
+    plain.mkdir()
+    assert common.git_commit(plain) == "unknown"
+    monkeypatch.setenv("CUFLASH_COMMIT", "abc1234")
+    assert common.git_commit(outer / "tree") == "abc1234"
+
+
+def test_json_is_compact(tmp_path):
+    records = [{"seqlen": n, "backends": {"cuflash": {"ms": 1.0, "times_ms": [1.0, 2.0, 0.5]}}}
+               for n in range(40)]
+    results = {"info": {"gpu": "x"}, "speed": {"records": records, "footnotes": []}}
+    cli.write_json(str(tmp_path / "r.json"), results)
+    text = (tmp_path / "r.json").read_text()
+    assert len(text.splitlines()) <= len(records) + 10  # a record a line
+    data = json.loads(text)
+    entry = data["speed"]["records"][3]["backends"]["cuflash"]
+    assert entry == {"ms": 1.0, "calls": 3, "min_ms": 0.5, "max_ms": 2.0}
+    assert results["speed"]["records"][3]["backends"]["cuflash"]["times_ms"] == [1.0, 2.0, 0.5]
+
+
+@requires_gpu
+def test_host_and_e2e_run_on_the_gpu():
+    """The host and e2e measurements end to end at small sizes: every cuflash row measured
+    (JAX rows may be unavailable), the tables within 120 columns."""
+    env = common.setup_env("bfloat16")
+    with env.stream():
+        measured = host.run_host(env, calls=50)
+        records = e2e.run_e2e(env, shapes=(e2e.Shape(2, 4, 2, 256, 64, "tiny GQA"),))
+    assert host.cuflash_failures(measured) == [] and e2e.cuflash_failures(records) == []
+    frameworks = ["cupy"] + (["torch"] if env.torch is not None else [])
+    for case in host.CASES:
+        entry = measured[case.name]
+        if case.framework in frameworks:
+            assert entry["status"] == "ok" and 0 < entry["us"] < 1e5, (case.name, entry)
+        else:
+            assert entry["status"] in ("ok", "unavailable"), (case.name, entry)
+    mine = records[0]["backends"]["cuflash.torch"]
+    if env.torch is not None:
+        assert mine["status"] == "ok" and mine["ms"] > 0 and mine["host_us"] > 0
+        assert mine["calls"] >= e2e.MIN_CALLS
+    assert records[0]["backends"]["cuflash.jax"]["status"] in ("ok", "unavailable")
+    for text in (host.format_host(measured, common.Footnotes()),
+                 e2e.format_e2e(records, common.Footnotes())):
+        assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH

@@ -7,6 +7,8 @@ import pytest
 
 from cuflash import _config, _loader, compile_check
 
+pytestmark = pytest.mark.nvrtc  # builds kernels: left out by -m "not nvrtc"
+
 
 @pytest.fixture(scope="module")
 def reports():

@@ -84,3 +84,13 @@ def test_attention_gradients_agree(gpt):
         for part, r, g in zip(parts, ref.chunk(len(parts)), got.chunk(len(parts))):
             err = float((g - r).norm()) / max(float(r.norm()), floor)
             assert err < 0.05, f"{name} {part}: relative gradient difference {err:.3g}"
+
+
+def test_both_attentions_print_tokens_per_second(gpt, capsys):
+    assert gpt.main(["--steps", "12", "--log-every", "0", "--sample", "0"]) == 0  # --attn both
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("tokens/s: sdpa "))
+    sdpa, flash = (float(x.replace(",", "")) for x in
+                   (line.split("sdpa ")[1].split(",")[0], line.split("cuflash ")[1].split(" ")[0]))
+    assert sdpa > 0 and flash > 0 and f"(cuflash {flash / sdpa:.2f}x sdpa)" in line
+    assert out.count("tokens/s after step 3") == 2

@@ -12,6 +12,8 @@ import pytest
 from conftest import load_script
 from cuflash import _config, _loader
 
+pytestmark = pytest.mark.nvrtc  # builds kernels: left out by -m "not nvrtc"
+
 _KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 

@@ -21,11 +21,18 @@ Tables, in this order, on stdout as each is done; a progress bar on stderr meanw
    against the tile size (cuflash.bench.io).
 4. sparse: block-sparse patterns, density, ms and speedup over dense, with torch
    FlexAttention on the same block mask (cuflash.bench.sparse).
+5. host: CPU microseconds per call of each API (CuPy, torch, JAX) at a tiny shape, against
+   SDPA and JAX's cuDNN path, with issue 14's targets (cuflash.bench.host).
+6. e2e: forward + backward through the torch and JAX adapters at model shapes, host time
+   included, against SDPA (default, flash, cuDNN) and JAX (cuDNN, XLA) (cuflash.bench.e2e).
+   host and e2e run last: JAX, once imported, keeps the device memory it has used.
 
-A peer that fails or is missing shows as a dash with the reason in a footnote. A cuflash
-failure shows as FAILED with its reason, and the exit status is then 1. With no CUDA device:
-one line on stderr and exit status 2, except ``--tables io`` without ``--io``, which prints the
-analytical IO table. Bad arguments: argparse's message and exit status 2.
+The tables fit CAPTION_WIDTH (120) columns; --wide adds every peer's own columns. A peer that
+fails or is missing shows as a dash with the reason in a footnote. A cuflash failure shows as
+FAILED with its reason, and the exit status is then 1. With no CUDA device: the tables that
+need none (io without --io: the analytical counts) are printed, then one line on stderr and
+exit status 2 (0 when nothing else was asked for). Bad arguments: argparse's message and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -38,15 +45,15 @@ import sys
 import time
 from typing import Optional
 
-from . import common, io, memory, sparse, speed
+from . import common, e2e, host, io, memory, sparse, speed
 
-TABLES = ("speed", "memory", "io", "sparse")
+TABLES = ("speed", "memory", "io", "sparse", "host", "e2e")
 ALL_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "cuflash_torch")
 DEFAULT_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 NO_GPU_RUNTIME = "no CUDA device found: runtime not measured"
-CSV_FIELDS = ("table", "dtype", "mode", "seqlen", "hdim", "batch", "heads", "causal", "backend",
-              "pattern", "density", "tiles", "status", "ms", "tflops", "flops", "peak_bytes",
-              "bytes_read", "bytes_written", "bytes_source", "error")
+CSV_FIELDS = ("table", "dtype", "mode", "seqlen", "hdim", "batch", "heads", "kv_heads", "causal",
+              "backend", "pattern", "density", "tiles", "status", "ms", "tflops", "flops",
+              "host_us", "peak_bytes", "bytes_read", "bytes_written", "bytes_source", "error")
 
 
 # ---- arguments ---------------------------------------------------------------------------
@@ -87,7 +94,8 @@ def build_parser(prog: str = common.PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="cuflash and its peers side by side on the GPU at hand: speed, memory, "
-                    "IO (the FlashAttention paper's Fig. 2) and block-sparse tables.",
+                    "IO (the FlashAttention paper's Fig. 2), block-sparse, host-time and "
+                    "end-to-end tables.",
         epilog="Tables go to stdout, progress to stderr. Exit status: 0 done, 1 a cuflash "
                "measurement failed, 2 bad arguments or no CUDA device.")
     parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
@@ -138,6 +146,9 @@ def build_parser(prog: str = common.PROG) -> argparse.ArgumentParser:
                              "needs matplotlib: pip install 'cuflash[plot]')")
     parser.add_argument("--tablefmt", default="github",
                         help="tabulate table format (default: %(default)s)")
+    parser.add_argument("--wide", action="store_true",
+                        help="speed and e2e: every peer's own ms, TFLOP/s and host columns, not "
+                             "only cuflash's ratio to it (wider than 120 columns)")
     return parser
 
 
@@ -190,7 +201,7 @@ def parse_args(argv=None, prog: str = common.PROG) -> argparse.Namespace:
 
 def settings(args) -> dict:
     keep = ("tables", "seqlens", "hdims", "dtypes", "causal", "modes", "peers", "io",
-            "memory_seqlens", "sparse_seqlen", "repeats", "warmup", "tiles", "tablefmt")
+            "memory_seqlens", "sparse_seqlen", "repeats", "warmup", "tiles", "tablefmt", "wide")
     out = {k: getattr(args, k) for k in keep}
     out["repeats"] = out["repeats"] or "auto"
     out["tiles"] = [list(t) for t in out["tiles"]]
@@ -247,6 +258,19 @@ def csv_rows(results: dict) -> list:
                              tflops=(r["flops"] / (e["ms"] * 1e-3) / 1e12
                                      if e["ms"] and r["flops"] else None),
                              error=e.get("error")))
+    for name, e in ((results.get("host") or {}).get("results") or {}).items():
+        b, h, n, d = host.HOST_SHAPE
+        rows.append(_row(table="host", dtype="bfloat16", mode=host.CASE_BY_NAME[name].mode,
+                         seqlen=n, hdim=d, batch=b, heads=h, kv_heads=h, causal=host.CAUSAL,
+                         backend=name, status=e["status"], host_us=e["us"], error=e["error"]))
+    for r in (results.get("e2e") or {}).get("records", []):
+        g = r["shape"]
+        for name, e in r["backends"].items():
+            rows.append(_row(table="e2e", dtype="bfloat16", mode="fwdbwd", seqlen=g["seq"],
+                             hdim=g["hdim"], batch=g["batch"], heads=g["heads"],
+                             kv_heads=g["kv_heads"], causal=e2e.CAUSAL, backend=name,
+                             status=e["status"], ms=e["ms"], host_us=e["host_us"],
+                             error=e["error"]))
     return rows
 
 
@@ -257,9 +281,38 @@ def write_csv(path: str, results: dict) -> None:
         writer.writerows(csv_rows(results))
 
 
+JSON_EXPANDED_DEPTH = 3  # containers this deep and shallower get a line per item: a record a line
+
+
+def without_call_times(value):
+    """A copy in which each measurement's per-call times become their count, min and max."""
+    if isinstance(value, list):
+        return [without_call_times(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: without_call_times(v) for k, v in value.items() if k != "times_ms"}
+    if "times_ms" in value:
+        times = value["times_ms"] or []
+        out.update(calls=len(times), min_ms=min(times, default=None),
+                   max_ms=max(times, default=None))
+    return out
+
+
+def compact_json(value, depth: int = 0) -> str:
+    """JSON with a line per item down to JSON_EXPANDED_DEPTH, all deeper on that line."""
+    if depth >= JSON_EXPANDED_DEPTH or not isinstance(value, (dict, list)) or not value:
+        return json.dumps(value, separators=(",", ":"), default=str)
+    pad = " " * (depth + 1)
+    if isinstance(value, dict):
+        items = [f"{pad}{json.dumps(k)}: {compact_json(v, depth + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+    items = [pad + compact_json(v, depth + 1) for v in value]
+    return "[\n" + ",\n".join(items) + "\n" + " " * depth + "]"
+
+
 def write_json(path: str, results: dict) -> None:
     with open(path, "w") as f:
-        f.write(json.dumps(results, indent=1, default=str) + "\n")
+        f.write(compact_json(without_call_times(results)) + "\n")
 
 
 def plot_speed(path: str, records: list, args) -> None:
@@ -316,6 +369,10 @@ def count_steps(args) -> int:
         steps += io.count_steps(args)
     if "sparse" in args.tables:
         steps += sparse.count_steps(args)
+    if "host" in args.tables:
+        steps += host.count_steps(args)
+    if "e2e" in args.tables:
+        steps += e2e.count_steps(args)
     return steps
 
 
@@ -350,6 +407,10 @@ def kernel_variants(args) -> list:
         shapes.add((io_dtype(args), io.GPT2_MEDIUM["hdim"], False))
     if "sparse" in args.tables:
         shapes.add((args.dtypes[0], args.hdims[0], False))
+    if "host" in args.tables:
+        shapes.add(("bfloat16", host.HOST_SHAPE[3], host.CAUSAL))
+    if "e2e" in args.tables:
+        shapes |= e2e.variant_shapes()
     variants = []
     for dtype, hdim, causal in sorted(shapes):
         variants += forward_forms(dtype, hdim, causal, wgmma=wgmma)
@@ -393,7 +454,7 @@ def io_failures(result: dict) -> list:
 
 
 def run_analytical_io(args) -> int:
-    """--tables io without a GPU: the counts, runtime marked as not measured."""
+    """The io table without a GPU: the counts, runtime marked as not measured."""
     notes = common.Footnotes()
     result = io.analytical_io(io_dtype(args))
     print(io.format_io(result, notes, args.tablefmt, no_gpu_reason=NO_GPU_RUNTIME), flush=True)
@@ -414,6 +475,7 @@ def write_outputs(args, results: dict) -> None:
 
 def run(args) -> int:
     dtypes = args.dtypes + ([io_dtype(args)] if "io" in args.tables else [])
+    dtypes += ["bfloat16"] if {"host", "e2e"} & set(args.tables) else []  # their inputs
     envs = {dtype: common.setup_env(dtype) for dtype in _unique(dtypes)}
     env = envs[args.dtypes[0]]
     results: dict = {"settings": settings(args)}
@@ -424,7 +486,7 @@ def run(args) -> int:
         with env.stream():
             info = common.device_info(env)
             results["info"] = info
-            emit("\n".join(speed.header_lines(info, args)), progress)
+            emit(common.wrap("\n".join(speed.header_lines(info, args))), progress)
             variants = kernel_variants(args)
             progress.start(f"compiling {len(variants)} kernel variants in parallel")
             try:
@@ -474,6 +536,20 @@ def run(args) -> int:
                 emit(sparse.format_sparse(records, args, notes) + "\n", progress)
                 results["sparse"] = {"records": records, "footnotes": notes.texts}
                 failures += sparse.cuflash_failures(records)
+
+            if "host" in args.tables:
+                measured = host.run_host(envs["bfloat16"], args, progress)
+                notes = common.Footnotes()
+                emit(host.format_host(measured, notes, args.tablefmt) + "\n", progress)
+                results["host"] = {"results": measured, "footnotes": notes.texts}
+                failures += host.cuflash_failures(measured)
+
+            if "e2e" in args.tables:
+                records = e2e.run_e2e(envs["bfloat16"], args, progress)
+                notes = common.Footnotes()
+                emit(e2e.format_e2e(records, notes, args.tablefmt, args.wide) + "\n", progress)
+                results["e2e"] = {"records": records, "footnotes": notes.texts}
+                failures += e2e.cuflash_failures(records)
     finally:
         progress.close()
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -490,8 +566,10 @@ def run(args) -> int:
 def main(argv=None, prog: str = common.PROG) -> int:
     args = parse_args(argv, prog)
     if common.device_count() == 0:
-        if args.tables == ["io"] and not args.io:
-            return run_analytical_io(args)
+        if "io" in args.tables and not args.io:
+            run_analytical_io(args)
+            if args.tables == ["io"]:
+                return 0
         print(common.NO_DEVICE_MESSAGE, file=sys.stderr)
         return 2
     return run(args)

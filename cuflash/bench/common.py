@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +42,10 @@ SLOW_REPEATS = 3
 MATMUL_N = 8192
 COPY_BYTES = 2 << 30
 DASH = "\u2013"
+# the default tables' labels of the peers (the JSON keeps the full names)
+SHORT_NAMES = {"sdpa_flash": "flash", "sdpa_cudnn": "cudnn", "sdpa_efficient": "efficient",
+               "cuflash_torch": "cuflash.torch"}
+CAPTION_WIDTH = 120  # titles, captions and footnotes wrap here; the default tables fit it too
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("bfloat16", "float16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -87,20 +92,51 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
+def wrap(text: str, width: int = CAPTION_WIDTH, indent: str = "") -> str:
+    """Each line of text wrapped to width (continuations start with indent); words are never
+    broken, so a long path or formula stays whole."""
+    return "\n".join(textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False) if len(line) > width else line
+                     for line in text.split("\n"))
+
+
+def table(rows: list, headers: list, tablefmt: str = "github", colalign=None) -> str:
+    """tabulate's table without its two spaces of header padding (at 10-20 columns that is what
+    keeps a table inside CAPTION_WIDTH); cells are shown as given, never re-parsed as numbers."""
+    import tabulate
+
+    padding, tabulate.MIN_PADDING = tabulate.MIN_PADDING, 0
+    try:
+        return tabulate.tabulate(rows, headers, tablefmt=tablefmt, disable_numparse=True,
+                                 colalign=colalign)
+    finally:
+        tabulate.MIN_PADDING = padding
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def git_commit() -> str:
-    """The commit measured: $CUFLASH_COMMIT when set (the device copy has no .git), else git's."""
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """The commit measured: $CUFLASH_COMMIT when set (a copy of the tree without .git), else
+    git's HEAD of `root` (the directory holding the cuflash package) when `root` is the top of
+    its own repository, else "unknown": an installed package, or a tree copied into another
+    repository, must not print that repository's commit."""
     if os.environ.get("CUFLASH_COMMIT"):
         return os.environ["CUFLASH_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*argv) -> Optional[str]:
+        try:
+            done = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True,
+                                  timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(root).resolve():
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+    return git("rev-parse", "--short", "HEAD") or "unknown"
 
 
 class Footnotes:
@@ -115,7 +151,8 @@ class Footnotes:
         return f"[{self.texts.index(text) + 1}]"
 
     def lines(self) -> list:
-        return [f"[{i}] {text}" for i, text in enumerate(self.texts, 1)]
+        """One entry a footnote, wrapped to CAPTION_WIDTH with a hanging indent."""
+        return [wrap(f"[{i}] {text}", indent="    ") for i, text in enumerate(self.texts, 1)]
 
 
 def format_duration(seconds: float) -> str:

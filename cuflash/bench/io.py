@@ -624,7 +624,6 @@ def _ncu_cell(entry: dict, notes: common.Footnotes, key: str) -> str:
 def format_io(result: dict, notes: common.Footnotes, tablefmt: str = "github",
               no_gpu_reason: Optional[str] = None) -> str:
     """Both IO tables from run_io's (or analytical_io's) result."""
-    from tabulate import tabulate
 
     g = result["shape"]
     methods = result["methods"]
@@ -659,10 +658,10 @@ def format_io(result: dict, notes: common.Footnotes, tablefmt: str = "github",
     title = (f"IO: GPT-2 medium attention, forward + backward (seq {g['seq']}, head dim "
              f"{g['hdim']}, {g['heads']} heads, batch {g['batch']}, {result['dtype']}, "
              f"not causal); {source}")
-    table = tabulate(rows, ["", "standard", "cuflash"], tablefmt=tablefmt,
-                     disable_numparse=True, colalign=("left", "right", "right"))
+    table = common.table(rows, ["", "standard", "cuflash"], tablefmt,
+                     colalign=("left", "right", "right"))
     tiles = methods["cuflash"].get("tiles") or {}
-    lines = [title, "", table, "",
+    lines = [common.wrap(title), "", table, "", common.wrap(
              f"analytical: standard moves {ratio:.1f}x the bytes of cuflash. GFLOP: 2 per "
              "multiply-add in the matmuls; standard keeps P (backward = 2x forward), cuflash "
              "recomputes it (backward = 2.5x forward). Standard: the paper's Algorithms 0 and "
@@ -670,8 +669,8 @@ def format_io(result: dict, notes: common.Footnotes, tablefmt: str = "github",
              f"cuflash: bytes its kernels request tile by tile (forward tiles Br x Bc = "
              f"{' x '.join(map(str, tiles.get('fwd', ())))}, backward "
              f"{' x '.join(map(str, tiles.get('bwd', ())))}), L2 reuse not credited; the lower "
-             "bound reads every input and writes every output once.",
-             f"reference: {PAPER_FIG2}."]
+             "bound reads every input and writes every output once."),
+             common.wrap(f"reference: {PAPER_FIG2}.")]
     lines.append("")
     lines.append(format_sweep(result, notes, tablefmt, no_gpu_reason))
     lines += notes.lines()
@@ -680,7 +679,6 @@ def format_io(result: dict, notes: common.Footnotes, tablefmt: str = "github",
 
 def format_sweep(result: dict, notes: common.Footnotes, tablefmt: str = "github",
                  no_gpu_reason: Optional[str] = None) -> str:
-    from tabulate import tabulate
 
     g = result["shape"]
     measured = any(r.get("ncu") is not None for r in result["sweep"])
@@ -700,13 +698,13 @@ def format_sweep(result: dict, notes: common.Footnotes, tablefmt: str = "github"
     title = (f"IO: bytes moved and runtime against the tile size, cuflash forward (seq "
              f"{g['seq']}, head dim {g['hdim']}, {g['heads']} heads, batch {g['batch']}, "
              f"{result['dtype']})")
-    table = tabulate(rows, headers, tablefmt=tablefmt, disable_numparse=True,
-                     colalign=("left",) + ("right",) * (len(headers) - 1))
+    table = common.table(rows, headers, tablefmt,
+                         colalign=("left",) + ("right",) * (len(headers) - 1))
     note = ("FlashAttention-2 loop order: each CTA keeps a tile of Br queries and walks all of "
             "K and V, so K and V are read ceil(N / Br) times and the bytes fall as Br grows; "
             "Theorem 2 of the paper: Theta(N^2 d^2 / M) with tiles sized to the on-chip memory "
             "M. Runtime also depends on occupancy and registers, so it need not follow.")
-    return "\n".join([title, "", table, "", note])
+    return "\n".join([common.wrap(title), "", table, "", common.wrap(note)])
 
 
 def main(argv=None) -> int:

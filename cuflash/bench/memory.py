@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
-from pathlib import Path
 from typing import Optional
 
 from . import common
@@ -191,13 +189,12 @@ def standard_oom_line(records: list, args, device_bytes: Optional[int] = None) -
 
 
 def format_table(records: list, args, notes: Footnotes, device_bytes: Optional[int] = None) -> str:
-    from tabulate import tabulate
 
     names = ["cuflash"] + list(args.peers)
-    headers = ["seqlen", "o + dq + dk + dv MiB"]
-    headers += [f"{name} MiB" for name in names]
+    headers = ["seqlen", "o+dq+dk+dv MiB"]
+    headers += [f"{common.SHORT_NAMES.get(name, name)} MiB" for name in names]
     if "sdpa_flash" in names:
-        headers.append("cuflash / sdpa_flash")
+        headers.append("cuflash / flash")
     rows = []
     for r in records:
         row = [r["seqlen"], mib(r["outputs_bytes"])]
@@ -209,27 +206,27 @@ def format_table(records: list, args, notes: Footnotes, device_bytes: Optional[i
         rows.append(row)
     title = (f"peak extra memory of forward + backward, {args.dtype}, head dim {args.hdim}, "
              f"{args.heads} heads, batch {args.batch}, causal={args.causal}")
-    table = tabulate(rows, headers, tablefmt=args.tablefmt, disable_numparse=True,
-                     colalign=("right",) * len(headers))
-    lines = [title, "", table, ""]
+    table = common.table(rows, headers, args.tablefmt, colalign=("right",) * len(headers))
+    lines = [common.wrap(title), "", table, ""]
     for name in names:
         steps = growth(records, name)
         if steps:
             parts = [f"{s['from']}->{s['to']} ({s['seq_ratio']:g}x seq): "
                      f"x{s['memory_ratio']:.2f} ({s['kind']})" for s in steps]
-            lines.append(f"growth, {name}: " + "; ".join(parts))
+            lines.append(common.wrap(f"growth, {name}: " + "; ".join(parts), indent="    "))
     oom_line = standard_oom_line(records, args, device_bytes)
     if oom_line:
-        lines.append(oom_line)
+        lines.append(common.wrap(oom_line))
     lines.append("")
-    lines.append("MiB = 2^20 bytes. o + dq + dk + dv: the four (batch, heads, seq, hdim) tensors "
+    lines.append(common.wrap("MiB = 2^20 bytes. o+dq+dk+dv: the four (batch, heads, seq, hdim) tensors "
                  "every backend must return (the uncounted inputs q, k, v, dO are as large); "
                  "the rest of a column is statistics, saved state and temporaries. growth: memory ratio between consecutive lengths; 4x seq "
                  f"gives x4 when linear, x16 when quadratic (exponent <= {LINEAR_MAX} linear, "
-                 f">= {QUADRATIC_MIN} quadratic).")
-    lines.append(counted_note(args))
+                 f">= {QUADRATIC_MIN} quadratic); flash, cudnn, efficient: SDPA pinned to that "
+                 "backend; cuflash / flash: cuflash's memory / flash's."))
+    lines.append(common.wrap(counted_note(args)))
     if "standard" in names:
-        lines.append(STANDARD_NOTE)
+        lines.append(common.wrap(STANDARD_NOTE))
     lines += notes.lines()
     return "\n".join(lines)
 
@@ -447,17 +444,3 @@ def cuflash_failures(records: list) -> list:
     return [(f"memory seq {r['seqlen']}: cuflash", r["backends"]["cuflash"].get("error"))
             for r in records
             if (r["backends"].get("cuflash") or {}).get("status") not in ("ok", None)]
-
-
-def write_json(path: str, info: dict, records: list, args, notes: Footnotes) -> None:
-    """The raw numbers of a memory-only run (python -m bench.memory)."""
-    data = {
-        "info": info,
-        "settings": json_settings(args),
-        "results": records,
-        "growth": growth_all(records, args),
-        "footnotes": notes.texts,
-    }
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
-
-

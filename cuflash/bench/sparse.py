@@ -322,7 +322,6 @@ def _speedup(dense: Optional[dict], entry: Optional[dict]) -> str:
 
 
 def format_sparse(records: list, args, notes: Footnotes) -> str:
-    from tabulate import tabulate
     from .speed import MODE_NAMES
 
     names = sparse_names(args)
@@ -331,9 +330,9 @@ def format_sparse(records: list, args, notes: Footnotes) -> str:
     for mode, seqlen in sorted(groups, key=lambda g: (args.modes.index(g[0]) if g[0] in args.modes else 99, g[1])):
         rows_of_mode = [r for r in records if r["mode"] == mode and r["seqlen"] == seqlen]
         dense = next((r for r in rows_of_mode if r["kind"] == "dense"), None)
-        headers = ["pattern", "density", "cuflash ms", "cuflash speedup over dense"]
+        headers = ["pattern", "density", "cuflash ms", "cuflash vs dense"]
         if PEER in names:
-            headers += ["flex ms", "flex speedup over dense", "cuflash / flex"]
+            headers += ["flex ms", "flex vs dense", "cuflash / flex"]
         rows = []
         for r in rows_of_mode:
             density = f"{r['density']:.3f}" if r["density"] is not None else DASH
@@ -350,17 +349,18 @@ def format_sparse(records: list, args, notes: Footnotes) -> str:
         title = (f"block-sparse {MODE_NAMES[mode]}, seq {r0['seqlen']}, head dim {r0['hdim']}, "
                  f"{r0['batch']} x {r0['heads']} (batch x heads), {r0['dtype']}, blocks "
                  f"{r0['block_size']} x {r0['block_size']}, not causal")
-        table = tabulate(rows, headers, tablefmt=getattr(args, "tablefmt", "github"),
-                         disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
-        blocks.append(title + "\n\n" + table)
+        table = common.table(rows, headers, tablefmt=getattr(args, "tablefmt", "github"),
+                         colalign=("left",) + ("right",) * (len(headers) - 1))
+        blocks.append(common.wrap(title) + "\n\n" + table)
     text = "\n\n".join(blocks)
     reason = next((r["masks_reason"] for r in records if r.get("masks_reason")), None)
     if reason:
         text += f"\n\nonly the dense row: {reason}."
-    text += ("\n\ndensity: fraction of the 128 x 128 blocks present; speedup over dense: dense "
-             "time / pattern time of the same backend; cuflash / flex: flex time / cuflash time. "
-             "cuflash: cuflash.attention(q, k, v, block_mask=mask) (dense: no block_mask); flex: "
-             "torch.compile(flex_attention) with a BlockMask of the same blocks.")
+    text += "\n\n" + common.wrap(
+        "density: fraction of the 128 x 128 blocks present; vs dense: dense time / pattern time "
+        "of the same backend; cuflash / flex: flex time / cuflash time. cuflash: "
+        "cuflash.attention(q, k, v, block_mask=mask) (dense: no block_mask); flex: "
+        "torch.compile(flex_attention) with a BlockMask of the same blocks.")
     if notes.texts:
         text += "\n" + "\n".join(notes.lines())
     return text

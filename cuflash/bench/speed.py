@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import statistics
-from pathlib import Path
 from typing import Callable, Optional
 
 from . import common
@@ -541,8 +539,11 @@ def time_cells(entry: Optional[dict], notes: Footnotes, name: str) -> list:
     return [f"{entry['ms']:.3f}", f"{entry['tflops']:.1f}"]
 
 
-def ratio_cell(entries: dict, peer: str) -> str:
+def ratio_cell(entries: dict, peer: str, notes: Optional[Footnotes] = None) -> str:
+    """peer time / cuflash time; with notes, a failed peer shows as its time cell would."""
     mine, theirs = entries.get("cuflash"), entries.get(peer)
+    if notes is not None and theirs and theirs["ms"] is None:
+        return time_cells(theirs, notes, peer)[0]
     if not mine or not theirs or mine["ms"] is None or theirs["ms"] is None:
         return DASH
     return f"{theirs['ms'] / mine['ms']:.2f}x"
@@ -557,7 +558,6 @@ def _standard_reason(env, dtype: str) -> Optional[str]:
 def format_tables(records: list, args, ceilings: dict, env, notes: Footnotes) -> str:
     """The speed tables, one per (dtype, mode, causal, head dim). env: an Env, a dict of them
     by dtype name, or anything with a ``standard_reason`` attribute (or None)."""
-    from tabulate import tabulate
 
     modes = getattr(args, "modes", ["fwd"])
     dtypes = arg_dtypes(args)
@@ -570,13 +570,16 @@ def format_tables(records: list, args, ceilings: dict, env, notes: Footnotes) ->
         if "standard" in all_names and reason:
             labels["standard"] = "standard (fp16)"
             notes.mark(f"standard runs in float16: {reason}")
+        wide = getattr(args, "wide", False)
         for mode in modes:
             names = backend_names(args, mode)
+            shown = names if wide else [n for n in names if n not in peers]  # time columns
             headers = ["seqlen", "batch x heads"]
-            for name in names:
-                headers += [f"{labels[name]} ms", f"{labels[name]} TFLOP/s"]
-            headers.append("cuflash % of matmul peak")
-            headers += [f"cuflash / {p}" for p in peers]
+            for name in shown:
+                headers += [f"{labels[name]} ms", f"{labels[name]} TFLOP/s" if wide or name != "cuflash"
+                            else "TFLOP/s"]
+            headers.append("cuflash % of matmul peak" if wide else "% of peak")
+            headers += [f"cuflash / {p}" if wide else f"vs {common.SHORT_NAMES.get(p, p)}" for p in peers]
             for causal in args.causal_modes:
                 for hdim in args.hdims:
                     rows = []
@@ -585,29 +588,31 @@ def format_tables(records: list, args, ceilings: dict, env, notes: Footnotes) ->
                                 or r["hdim"] != hdim or r.get("dtype", dtypes[0]) != dtype):
                             continue
                         row = [r["seqlen"], f"{r['batch']} x {r['heads']}"]
-                        for name in names:
+                        for name in shown:
                             row += time_cells(r["backends"].get(name), notes, name)
                         tf = (r["backends"].get("cuflash") or {}).get("tflops")
                         peak = ceilings.get("matmul_tflops") if ceilings else None
                         row.append(f"{100 * tf / peak:.1f}%" if tf and peak else DASH)
-                        row += [ratio_cell(r["backends"], p) for p in peers]
+                        row += [ratio_cell(r["backends"], p, None if wide else notes) for p in peers]
                         rows.append(row)
                     if not rows:
                         continue
                     title = (f"{MODE_NAMES[mode]}, causal={'yes' if causal else 'no'}, "
                              f"head dim {hdim}, {dtype}")
-                    table = tabulate(rows, headers, tablefmt=getattr(args, "tablefmt", "github"),
-                                     disable_numparse=True, colalign=("right",) * len(headers))
+                    table = common.table(rows, headers, tablefmt=getattr(args, "tablefmt", "github"),
+                                     colalign=("right",) * len(headers))
                     blocks.append(title + "\n\n" + table)
-    text = "\n\n".join(blocks)
-    text += ("\n\nms: median time of one call; TFLOP/s: forward 4 * seqlen^2 * hdim * heads * "
+    text = ("ms: median time of one call; TFLOP/s: forward 4 * seqlen^2 * hdim * heads * "
              "batch (halved when causal) / time")
     if "bwd" in modes:
         text += f", backward {BWD_FLOP_FACTOR:g} x that / time"
     if "fwdbwd" in modes:
         text += f", forward + backward {MODE_FLOP_FACTOR['fwdbwd']:g} x that / time"
-    text += ("; cuflash % of matmul peak: cuflash TFLOP/s / the matmul ceiling measured at the "
-             "start; cuflash / peer: peer time / cuflash time.")
+    text += ("; % of (matmul) peak: cuflash TFLOP/s / the matmul ceiling measured at the "
+             "start; cuflash / peer, vs peer: peer time / cuflash time (cuflash's speed as a "
+             "multiple of the peer's); flash, cudnn, efficient: SDPA pinned to that backend.")
+    if not getattr(args, "wide", False):
+        text += " --wide adds each peer's ms and TFLOP/s."
     if "bwd" in modes:
         text += ("\nbackward: the backward pass alone, with a fixed random dO, after a forward "
                  "run untimed: cuflash.attention_backward(do, q, k, v, o, l, m); SDPA "
@@ -624,6 +629,7 @@ def format_tables(records: list, args, ceilings: dict, env, notes: Footnotes) ->
                  "cuflash.attention then cuflash.attention_backward; SDPA out = sdpa(q, k, v) "
                  "then torch.autograd.grad(out, (q, k, v), dO), the graph recorded inside the "
                  "timing; standard: its forward then its backward.")
+    text = "\n\n".join(blocks) + "\n\n" + common.wrap(text)
     if notes.texts:
         text += "\n" + "\n".join(notes.lines())
     return text
@@ -644,10 +650,3 @@ def json_settings(args, envs) -> dict:
             "hidden": HIDDEN, "flop_factors": dict(MODE_FLOP_FACTOR), "warmup": args.warmup,
             "repeats": args.repeats or "auto", "tiles": [list(t) for t in getattr(args, "tiles", [])],
             "peers": speed_peers(args), "standard": standard}
-
-
-def write_json(path: str, info: dict, ceilings: dict, records: list, args, env, notes) -> None:
-    """The raw numbers of a speed-only run (python -m bench.bench_forward)."""
-    data = {"info": info, "settings": json_settings(args, env), "ceilings": ceilings,
-            "results": records, "footnotes": notes.texts}
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")

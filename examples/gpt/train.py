@@ -187,8 +187,15 @@ def autocast(device: torch.device):
 class Run:
     model: GPT
     losses: list
-    seconds: float
+    seconds: float  # the whole run, compilation on the first steps included
     tokens: int
+    steady_tokens_per_s: Optional[float]  # the steps after the first `warm_steps`, None if none
+
+
+def warm_steps(steps: int) -> int:
+    """Steps left out of the steady tokens/s: the first ones compile kernels and grow the
+    allocator (a quarter of the run, at most 10)."""
+    return min(10, steps // 4)
 
 
 def train_model(attn_impl: str = "cuflash", steps: int = 200, seed: int = 0,
@@ -208,7 +215,11 @@ def train_model(attn_impl: str = "cuflash", steps: int = 200, seed: int = 0,
     losses = []
     start = time.perf_counter()
     tick, tick_step = start, 0
+    steady_from, steady_start = warm_steps(steps), None
     for step in range(steps):
+        if step == steady_from and step > 0:
+            synchronize(device)
+            steady_start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         x, y = get_batch(train_data, batch_size, seq_len, gen, device)
@@ -225,8 +236,16 @@ def train_model(attn_impl: str = "cuflash", steps: int = 200, seed: int = 0,
             print(f"[{attn_impl}] step {step + 1:5d}/{steps}  loss {losses[-1]:.4f}  "
                   f"lr {optimizer.param_groups[0]['lr']:.2e}  {ms:7.1f} ms/step", flush=True)
             tick, tick_step = now, step + 1
-    seconds = time.perf_counter() - start
-    return Run(model, losses, seconds, steps * batch_size * seq_len)
+    synchronize(device)
+    end = time.perf_counter()
+    steady = ((steps - steady_from) * batch_size * seq_len / (end - steady_start)
+              if steady_start is not None and end > steady_start else None)
+    return Run(model, losses, end - start, steps * batch_size * seq_len, steady)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def train(attn_impl: str = "cuflash", steps: int = 200, seed: int = 0, device: str = "cuda",
@@ -275,8 +294,9 @@ def sample(model: GPT, prompt: str, length: int, temperature: float = 0.8,
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a small byte-level GPT with SDPA or cuflash "
                                             "attention on examples/gpt/data.txt.")
-    p.add_argument("--attn", choices=ATTN_IMPLS + ("both",), default="cuflash",
-                   help="attention op (both: train one model with each, same seed)")
+    p.add_argument("--attn", choices=ATTN_IMPLS + ("both",), default="both",
+                   help="attention op (both: train one model with each, same seed, and compare "
+                        "their tokens/s) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
@@ -308,8 +328,7 @@ def main(argv=None) -> int:
         runs[impl] = run
         params = sum(p.numel() for p in run.model.parameters())
         print(f"[{impl}] {params / 1e6:.2f} M parameters, {run.seconds:.1f} s, "
-              f"{run.tokens / run.seconds:,.0f} tokens/s (incl. compilation on the first "
-              f"steps); final train loss {run.losses[-1]:.4f}, "
+              f"{tokens_per_s_text(run)}; final train loss {run.losses[-1]:.4f}, "
               f"validation loss {evaluate(run.model, val_data):.4f}", flush=True)
         if args.sample:
             text = sample(run.model, "LOG, ", args.sample, seed=args.seed)
@@ -319,7 +338,24 @@ def main(argv=None) -> int:
         diffs = [abs(x - y) for x, y in zip(a, b)]
         print(f"max |loss_sdpa - loss_cuflash| over {len(diffs)} steps: {max(diffs):.4f} "
               f"(mean {sum(diffs) / len(diffs):.4f})")
+        print(speed_comparison(runs["sdpa"], runs["cuflash"]), flush=True)
     return 0
+
+
+def tokens_per_s_text(run: Run) -> str:
+    whole = f"{run.tokens / run.seconds:,.0f} tokens/s over the whole run"
+    if run.steady_tokens_per_s is None:
+        return whole
+    return (f"{run.steady_tokens_per_s:,.0f} tokens/s after step {warm_steps(len(run.losses))} "
+            f"({whole}, compilation included)")
+
+
+def speed_comparison(sdpa: Run, flash: Run) -> str:
+    """One line: both attentions' training throughput and their ratio."""
+    def rate(run):
+        return run.steady_tokens_per_s or run.tokens / run.seconds
+    return (f"tokens/s: sdpa {rate(sdpa):,.0f}, cuflash {rate(flash):,.0f} "
+            f"(cuflash {rate(flash) / rate(sdpa):.2f}x sdpa)")
 
 
 if __name__ == "__main__":
