@@ -45,9 +45,9 @@ import sys
 import time
 from typing import Optional
 
-from . import common, e2e, host, io, memory, sparse, speed
+from . import common, decode, e2e, host, io, memory, sparse, speed
 
-TABLES = ("speed", "memory", "io", "sparse", "host", "e2e")
+TABLES = ("speed", "memory", "io", "sparse", "decode", "host", "e2e")
 ALL_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "cuflash_torch")
 DEFAULT_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 NO_GPU_RUNTIME = "no CUDA device found: runtime not measured"
@@ -369,6 +369,8 @@ def count_steps(args) -> int:
         steps += io.count_steps(args)
     if "sparse" in args.tables:
         steps += sparse.count_steps(args)
+    if "decode" in args.tables:
+        steps += decode.count_steps()
     if "host" in args.tables:
         steps += host.count_steps(args)
     if "e2e" in args.tables:
@@ -475,7 +477,7 @@ def write_outputs(args, results: dict) -> None:
 
 def run(args) -> int:
     dtypes = args.dtypes + ([io_dtype(args)] if "io" in args.tables else [])
-    dtypes += ["bfloat16"] if {"host", "e2e"} & set(args.tables) else []  # their inputs
+    dtypes += ["bfloat16"] if {"host", "e2e", "decode"} & set(args.tables) else []  # their inputs
     envs = {dtype: common.setup_env(dtype) for dtype in _unique(dtypes)}
     env = envs[args.dtypes[0]]
     results: dict = {"settings": settings(args)}
@@ -536,6 +538,14 @@ def run(args) -> int:
                 emit(sparse.format_sparse(records, args, notes) + "\n", progress)
                 results["sparse"] = {"records": records, "footnotes": notes.texts}
                 failures += sparse.cuflash_failures(records)
+
+            if "decode" in args.tables:
+                records = decode.decode_table(envs["bfloat16"], args, progress)
+                notes = common.Footnotes()
+                emit(decode.format_decode(records, args, ceilings, notes) + "\n", progress)
+                results["decode"] = {"settings": decode.json_settings(), "records": records,
+                                     "footnotes": notes.texts}
+                failures += decode.cuflash_failures(records)
 
             if "host" in args.tables:
                 measured = host.run_host(envs["bfloat16"], args, progress)
