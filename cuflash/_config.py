@@ -762,7 +762,7 @@ def all_variants(hopper: bool = True, wgmma: typing.Optional[bool] = None):
     """Every kernel variant the dispatcher can launch on a GPU of that kind, forward and backward.
     ``wgmma`` defaults to ``hopper``."""
     wgmma = hopper if wgmma is None else wgmma
-    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma)
+    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma) + all_decode_variants()
 
 
 def variants_for(arch: str):
@@ -783,3 +783,129 @@ def has_wgmma(arch: str) -> bool:
 def is_hopper(arch: str) -> bool:
     """'sm_90a' / '90' (compute capability) -> True; 'sm_80' / '86' -> False."""
     return _capability(arch) >= 90
+
+
+# ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
+#
+# A few queries a head against a long cache: the keys of each (batch, k/v head) are split over
+# CTAs so that every SM streams K and V, and the query heads sharing a k/v head are packed into
+# one 16-row tile. The kernel is bound by device memory, not by the tensor cores: what a tile
+# size buys is bytes in flight. Per CTA, STAGES - 1 tiles of BC keys (K and V, 2 * BC * hd * 2
+# bytes each) are in flight while one is computed.
+
+DECODE_ROW_TILE = 16  # packed query rows a CTA (kDecodeRows in flash_decode.cu)
+DECODE_PAGE_GROUP = 16  # keys a page-table look-up covers (kPageGroup): the smallest page size
+MAX_DECODE_QUERIES = 16  # queries a head the decoding kernels take (Nq)
+DECODE_PAGE_SIZES = (16, 32, 64, 128, 256)
+MAX_DECODE_SPLITS = 256
+# Head dims (any multiple of 8 up to 128) are padded (zero-filled) up to one of these. 256 is
+# not offered: with O (16 x 256 fp32 a warp) at 128 registers a thread, the 64-key tile
+# spilled 144-180 bytes (sm_80 and sm_90a, two stages); it needs O's columns split over warps.
+DECODE_HEAD_DIM_BUCKETS = (64, 128)
+# Splits aim at this many waves of CTAs (resident CTAs on every SM) ...
+DECODE_TARGET_WAVES = 2
+# ... while each split keeps at least this many key tiles, so that its pipeline fills and the
+# workspace and combine stay small next to the cache it streams.
+DECODE_MIN_TILES_PER_SPLIT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKvDecode(_Launch):
+    """The split-KV decoding kernel (``flash_decode_kernel``): 16 packed query rows of one
+    (batch, k/v head) against one split of its keys, ``warps`` warps each owning
+    block_cols / warps keys of every tile, ``stages`` cp.async buffers."""
+
+    dtype: str
+    head_dim: int  # bucket of max(d, dv): 64, 128 or 256
+    block_cols: int  # keys a tile
+    warps: int
+    stages: int
+    paged: bool
+
+    source = "flash_decode.cu"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, padded rows), the page slots of
+        the stages plus one (int32), each warp's m and l per row (float32)."""
+        pitch = self.head_dim + SMEM_PAD
+        tiles = 2 * (DECODE_ROW_TILE * pitch + 2 * self.stages * self.block_cols * pitch)
+        pages = 4 * (self.stages + 1) * (self.block_cols // DECODE_PAGE_GROUP)
+        return tiles + pages + 4 * 2 * self.warps * DECODE_ROW_TILE
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_decode_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
+            f"{self.warps}, {self.stages}, {_flag(self.paged)}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return (f"decode_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_w{self.warps}_s{self.stages}"
+                f"{'_paged' if self.paged else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCombine(_Launch):
+    """The merge of the splits' partial results (``flash_decode_combine_kernel``): one warp a row."""
+
+    dtype: str
+    warps: int = 4
+
+    source = "flash_decode.cu"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"cuflash::flash_decode_combine_kernel<{_TYPE_TAG[self.dtype]}, {self.warps}>"
+
+    @property
+    def key(self) -> str:
+        return f"decode_combine_{self.dtype}_w{self.warps}"
+
+
+# (block_cols, warps, stages) per head-dim bucket. Four warps of 32 or 16 keys each; a stage
+# of K and V is 32 KB at both head dims (three stages: 64 KB in flight a CTA while one is
+# computed, ~107-111 KB of shared memory, so two CTAs fit an H100/H200 SM and one an A100's).
+# Predicted, not yet measured: Little's law at ~4.2 TB/s over 132 SMs and ~1 us of latency
+# asks ~32 KB in flight an SM; two CTAs keep 128 KB.
+_DECODE_TILES = {64: (128, 4, 3), 128: (64, 4, 3)}
+
+
+def decode_head_dim_bucket(dim: int) -> int:
+    for bucket in DECODE_HEAD_DIM_BUCKETS:
+        if dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim {dim} exceeds {DECODE_HEAD_DIM_BUCKETS[-1]}")
+
+
+def decode_config(dtype: str, d: int, dv: int, paged: bool) -> SplitKvDecode:
+    """The decoding variant for 16-bit ``dtype``, head dims d (q, k) and dv (v)."""
+    hd = decode_head_dim_bucket(max(d, dv))
+    return SplitKvDecode(dtype, hd, *_DECODE_TILES[hd], bool(paged))
+
+
+def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_sm: int) -> typing.Tuple[int, int]:
+    """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence: enough splits for
+    DECODE_TARGET_WAVES waves of CTAs over ``sm_count`` SMs holding ``ctas_per_sm`` each, where
+    one split is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles), but every split keeps
+    at least DECODE_MIN_TILES_PER_SPLIT tiles, and at most MAX_DECODE_SPLITS splits. The tiles
+    a split are rounded down, so that rounding never costs the target (the last split is short)."""
+    if key_tiles <= 0:
+        return 1, 1
+    wanted = -(-DECODE_TARGET_WAVES * sm_count * ctas_per_sm // max(1, ctas_per_split))
+    per_split = max(key_tiles // wanted, DECODE_MIN_TILES_PER_SPLIT, -(-key_tiles // MAX_DECODE_SPLITS))
+    per_split = min(per_split, key_tiles)
+    return -(-key_tiles // per_split), per_split
+
+
+def all_decode_variants():
+    """Every decoding kernel the dispatcher can launch (the same on every architecture)."""
+    variants = [DecodeCombine(dtype) for dtype in _TYPE_TAG]
+    for dtype in _TYPE_TAG:
+        for hd in DECODE_HEAD_DIM_BUCKETS:
+            for paged in (False, True):
+                variants.append(decode_config(dtype, hd, hd, paged))
+    return variants
