@@ -793,7 +793,7 @@ def is_hopper(arch: str) -> bool:
 # size buys is bytes in flight. Per CTA, STAGES - 1 tiles of BC keys (K and V, 2 * BC * hd * 2
 # bytes each) are in flight while one is computed.
 
-DECODE_ROW_TILE = 16  # packed query rows a CTA (kDecodeRows in flash_decode.cu)
+DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows in flash_decode.cu)
 DECODE_PAGE_GROUP = 16  # keys a page-table look-up covers (kPageGroup): the smallest page size
 MAX_DECODE_QUERIES = 16  # queries a head the decoding kernels take (Nq)
 DECODE_PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -811,38 +811,43 @@ DECODE_MIN_TILES_PER_SPLIT = 4
 
 @dataclasses.dataclass(frozen=True)
 class SplitKvDecode(_Launch):
-    """The split-KV decoding kernel (``flash_decode_kernel``): 16 packed query rows of one
-    (batch, k/v head) against one split of its keys, ``warps`` warps each owning
-    block_cols / warps keys of every tile, ``stages`` cp.async buffers."""
+    """The split-KV decoding kernel (``flash_decode_kernel``): block_rows packed query rows of
+    one (batch, k/v head) against one split of its keys. The warps form row_warps x
+    (warps / row_warps): each owns 16 rows and block_cols / (warps / row_warps) keys of every
+    tile; ``stages`` cp.async buffers."""
 
     dtype: str
-    head_dim: int  # bucket of max(d, dv): 64, 128 or 256
+    head_dim: int  # bucket of max(d, dv)
     block_cols: int  # keys a tile
     warps: int
     stages: int
     paged: bool
+    row_warps: int  # 16-row tiles a CTA
 
     source = "flash_decode.cu"
 
+    @property
+    def block_rows(self) -> int:
+        return DECODE_ROW_TILE * self.row_warps
+
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
-        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, padded rows), the page slots of
-        the stages plus one (int32), each warp's m and l per row (float32)."""
+        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, padded rows) and the page slots
+        of the stages plus one (int32)."""
         pitch = self.head_dim + SMEM_PAD
-        tiles = 2 * (DECODE_ROW_TILE * pitch + 2 * self.stages * self.block_cols * pitch)
-        pages = 4 * (self.stages + 1) * (self.block_cols // DECODE_PAGE_GROUP)
-        return tiles + pages + 4 * 2 * self.warps * DECODE_ROW_TILE
+        tiles = 2 * (self.block_rows * pitch + 2 * self.stages * self.block_cols * pitch)
+        return tiles + 4 * (self.stages + 1) * (self.block_cols // DECODE_PAGE_GROUP)
 
     @property
     def name_expression(self) -> str:
         return (
             f"cuflash::flash_decode_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
-            f"{self.warps}, {self.stages}, {_flag(self.paged)}>"
+            f"{self.warps}, {self.stages}, {_flag(self.paged)}, {self.row_warps}>"
         )
 
     @property
     def key(self) -> str:
-        return (f"decode_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_w{self.warps}_s{self.stages}"
-                f"{'_paged' if self.paged else ''}")
+        return (f"decode_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
+                f"_s{self.stages}{'_paged' if self.paged else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -866,12 +871,18 @@ class DecodeCombine(_Launch):
         return f"decode_combine_{self.dtype}_w{self.warps}"
 
 
-# (block_cols, warps, stages) per head-dim bucket. Four warps of 32 or 16 keys each; a stage
-# of K and V is 32 KB at both head dims (three stages: 64 KB in flight a CTA while one is
-# computed, ~107-111 KB of shared memory, so two CTAs fit an H100/H200 SM and one an A100's).
-# Predicted, not yet measured: Little's law at ~4.2 TB/s over 132 SMs and ~1 us of latency
-# asks ~32 KB in flight an SM; two CTAs keep 128 KB.
-_DECODE_TILES = {64: (128, 4, 3), 128: (64, 4, 3)}
+# (block_cols, warps, stages) per (head-dim bucket, row warps). Four warps; three stages, so
+# two tiles are in flight a CTA while one is computed. A stage of K and V is 32 KB at one and
+# two row warps (block_cols 128 at head dim 64, 64 at 128), and the shared memory of each form
+# (<= 113 KB) lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved a CTA) and one
+# an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole tile's S:
+# smaller tiles there (64 and 48 keys: 18 and 26 KB a stage) keep two CTAs an SM and S at 32
+# or 24 registers. Predicted, not yet measured: Little's law at ~4.2 TB/s over 132 SMs and ~1
+# us of latency asks ~32 KB in flight an SM; two CTAs keep 72-128 KB.
+_DECODE_TILES = {
+    (64, 1): (128, 4, 3), (64, 2): (128, 4, 3), (64, 4): (64, 4, 3),
+    (128, 1): (64, 4, 3), (128, 2): (64, 4, 3), (128, 4): (48, 4, 3),
+}
 
 
 def decode_head_dim_bucket(dim: int) -> int:
@@ -881,10 +892,26 @@ def decode_head_dim_bucket(dim: int) -> int:
     raise ValueError(f"head dim {dim} exceeds {DECODE_HEAD_DIM_BUCKETS[-1]}")
 
 
-def decode_config(dtype: str, d: int, dv: int, paged: bool) -> SplitKvDecode:
-    """The decoding variant for 16-bit ``dtype``, head dims d (q, k) and dv (v)."""
+# 16-row tiles a CTA, by packed rows (group x Nq): the fewest that hold them, up to one a warp.
+# Rows past a CTA's go to further row-tile CTAs, which read the same keys again (from L2 when
+# they run together), so more rows a CTA saves that traffic where rows are many (MQA, or
+# GQA with several queries), while few rows keep every warp on its own keys.
+DECODE_ROW_WARPS = (1, 2, 4)
+
+
+def decode_row_warps(rows: int) -> int:
+    for row_warps in DECODE_ROW_WARPS:
+        if rows <= DECODE_ROW_TILE * row_warps:
+            return row_warps
+    return DECODE_ROW_WARPS[-1]
+
+
+def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> SplitKvDecode:
+    """The decoding variant for 16-bit ``dtype``, head dims d (q, k) and dv (v), ``rows``
+    packed query rows (query heads a k/v head x queries a head)."""
     hd = decode_head_dim_bucket(max(d, dv))
-    return SplitKvDecode(dtype, hd, *_DECODE_TILES[hd], bool(paged))
+    row_warps = decode_row_warps(rows)
+    return SplitKvDecode(dtype, hd, *_DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
 
 
 def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_sm: int) -> typing.Tuple[int, int]:
@@ -907,5 +934,6 @@ def all_decode_variants():
     for dtype in _TYPE_TAG:
         for hd in DECODE_HEAD_DIM_BUCKETS:
             for paged in (False, True):
-                variants.append(decode_config(dtype, hd, hd, paged))
+                for row_warps in DECODE_ROW_WARPS:
+                    variants.append(decode_config(dtype, hd, hd, paged, DECODE_ROW_TILE * row_warps))
     return variants

@@ -60,7 +60,7 @@ class DecodePlan(NamedTuple):
     combine: Optional[_config.DecodeCombine]  # None with one split: the kernel writes o, l, m
     num_splits: int
     tiles_per_split: int  # key tiles of block_cols keys a split covers
-    row_tiles: int  # CTAs of 16 packed rows per (batch, k/v head)
+    row_tiles: int  # CTAs of variant.block_rows packed rows per (batch, k/v head)
     batch: int
     kv_heads: int
     group: int  # query heads per k/v head
@@ -233,9 +233,9 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
     window_left, window_right = _band(causal, window)
     forced = _check_num_splits(num_splits)
 
-    variant = _config.decode_config(dtype, layout["d"], layout["dv"], paged)
     rows = layout["group"] * layout["nq"]
-    row_tiles = -(-rows // _config.DECODE_ROW_TILE)
+    variant = _config.decode_config(dtype, layout["d"], layout["dv"], paged, rows)
+    row_tiles = -(-rows // variant.block_rows)
     num_bh = batch * layout["kv_heads"]
     if num_bh * rows >= 2**31:
         raise ValueError(f"{num_bh * rows} query rows exceed the 2^31 the decoding kernels count: q {_shape_text(q)}")

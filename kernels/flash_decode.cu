@@ -5,17 +5,19 @@
 // With 1-16 queries a head, one CTA per (batch, head) leaves most SMs idle while a few stream
 // the whole cache. So:
 //   - The Hq / Hk query heads that share a k/v head are packed into one tile of rows,
-//     rows = group x Nq (row R = g * Nq + i: query i of head hk * group + g), 16 rows a CTA,
-//     so each K/V byte is read once per group; a group of more than 16 rows takes several
+//     rows = group x Nq (row R = g * Nq + i: query i of head hk * group + g), 16 x ROW_WARPS
+//     rows a CTA, so each K/V byte is read once per group; a group of more rows takes several
 //     row-tile CTAs, adjacent in the grid so that their K/V reads meet in L2.
 //   - The key range of each (batch, k/v head) is cut into num_splits chunks of whole key tiles,
 //     each a CTA. A split writes its partial (o / l, l, m) to a float32 workspace and
 //     flash_decode_combine_kernel merges the splits by their log-sum-exp. With one split the
 //     kernel writes o, l, m itself.
-//   - Inside a CTA the 16 rows are shared by every warp, and the key tile of BC keys is cut
-//     into NWARPS slices: warp w owns keys [w * BC / NWARPS, (w + 1) * BC / NWARPS) of each
-//     tile, with its own online-softmax state and O; the warps' states merge once, at the end.
-//     So a warp never waits for another inside the loop (one barrier a tile, for the buffers).
+//   - Inside a CTA the NWARPS warps form ROW_WARPS x KEY_WARPS: warp (wr, wk) owns rows
+//     [16 wr, 16 wr + 16) of the CTA's and keys [wk KW, (wk + 1) KW) of each tile of BC =
+//     KEY_WARPS x KW keys, with its own online-softmax state and O. The key warps of a row
+//     tile merge their states once, at the end, so a warp never waits for another inside the
+//     loop (one barrier a tile, for the buffers). Few rows (GQA, Nq = 1: 4 rows) take one row
+//     warp and four key warps: every warp has work, and no mma row is wasted twice.
 //   - Tiles stream through STAGES cp.async buffers: STAGES - 1 tiles in flight while one is
 //     computed. Every thread issues BC * HD / (8 * NT) 16-byte copies each of K and V a tile.
 //
@@ -38,7 +40,7 @@
 
 namespace cuflash {
 
-constexpr int kDecodeRows = 16;  // query rows a CTA: one m16 tile (DECODE_ROW_TILE in _config)
+constexpr int kDecodeRows = 16;  // query rows a warp: one m16 tile (DECODE_ROW_TILE in _config)
 constexpr int kPageGroup = 16;   // keys that share one page-table look-up (the smallest page)
 
 // Every member is 8 bytes (packed by cuflash/_decode.py, _DECODE_PARAM_FORMAT).
@@ -58,7 +60,7 @@ struct DecodeParams {
     i64 group;            // Hq / Hk
     i64 nq;
     i64 rows;             // group * nq: packed rows of one (batch, k/v head)
-    i64 row_tiles;        // ceil(rows / kDecodeRows)
+    i64 row_tiles;        // ceil(rows / (kDecodeRows * ROW_WARPS))
     i64 num_bh;           // batch * Hk
     i64 capacity;         // keys a sequence can hold: Nk (dense) or max_pages * page_size
     i64 d, dv;
@@ -87,20 +89,22 @@ struct DecodeCombineParams {
     double scale, scale_log2;
 };
 
-template <int HD, int BC, int STAGES, int NWARPS>
+template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS>
 struct DecodeSmemLayout {
     static constexpr int pitch = HD + kSmemPad;
-    static constexpr int q_elems = kDecodeRows * pitch;
+    static constexpr int q_elems = ROW_WARPS * kDecodeRows * pitch;
     static constexpr int kv_elems = BC * pitch;  // one stage of K (or V)
     static constexpr int page_slots = STAGES + 1;  // one more than the stages: see the loop
     static constexpr int pages_per_tile = BC / kPageGroup;
     static constexpr int tile_bytes = 2 * (q_elems + 2 * STAGES * kv_elems);
     static constexpr int page_bytes = 4 * page_slots * pages_per_tile;
-    static constexpr int stat_bytes = 4 * 2 * NWARPS * kDecodeRows;  // each warp's m and l per row
-    static constexpr int bytes = tile_bytes + page_bytes + stat_bytes;
-    // The warps' O (float32) is summed through the K/V buffers once the loop is done.
+    static constexpr int bytes = tile_bytes + page_bytes;
+    // Once the loop is done, the K/V buffers hold each warp's O (float32) and then its m and l
+    // per row, for the merge.
     static constexpr int o_pitch = HD + 4;
-    static_assert(4 * NWARPS * kDecodeRows * o_pitch <= 2 * 2 * STAGES * kv_elems, "O merge fits in K/V");
+    static constexpr int o_bytes = 4 * NWARPS * kDecodeRows * o_pitch;
+    static constexpr int stat_bytes = 4 * 2 * NWARPS * kDecodeRows;
+    static_assert(o_bytes + stat_bytes <= 2 * 2 * STAGES * kv_elems, "the merge fits in K/V");
 };
 
 // The page of the 16-key group starting at key j, or -1 when it must not be read: past the
@@ -132,14 +136,17 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* cache, i
     }
 }
 
-template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED>
+template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     constexpr int NT = NWARPS * 32;
-    constexpr int KW = BC / NWARPS;  // keys a warp owns in each tile
-    static_assert(KW % 16 == 0 && KW * NWARPS == BC, "each warp takes whole 16-key mma steps");
+    constexpr int KEY_WARPS = NWARPS / ROW_WARPS;
+    constexpr int KW = BC / KEY_WARPS;  // keys a warp owns in each tile
+    constexpr int CTA_ROWS = ROW_WARPS * kDecodeRows;
+    static_assert(KEY_WARPS * ROW_WARPS == NWARPS, "the warps form ROW_WARPS x KEY_WARPS");
+    static_assert(KW % 16 == 0 && KW * KEY_WARPS == BC, "each warp takes whole 16-key mma steps");
     static_assert(HD % 16 == 0 && STAGES >= 2, "mma tiles are 16 wide; at least double buffering");
-    using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS>;
+    using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)L::bytes);
@@ -147,16 +154,19 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     T* sK = sQ + L::q_elems;
     T* sV = sK + STAGES * L::kv_elems;
     int* sPage = reinterpret_cast<int*>(smem_raw + L::tile_bytes);  // [page_slots][pages_per_tile]
-    float* sStatM = reinterpret_cast<float*>(smem_raw + L::tile_bytes + L::page_bytes);  // [NWARPS][16]
+    float* sO = reinterpret_cast<float*>(sK);  // after the loop: [NWARPS][16][o_pitch]
+    float* sStatM = sO + L::o_bytes / 4;      // after the loop: [NWARPS][16]
     float* sStatL = sStatM + NWARPS * kDecodeRows;
 
     const i64 bidx = flat_batch_index();  // batch * Hk + k/v head
     if (bidx >= p.num_bh) return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int warp_row = warp / KEY_WARPS, warp_key = warp % KEY_WARPS;
     const int row_tile = (int)blockIdx.x % (int)p.row_tiles, split = (int)blockIdx.x / (int)p.row_tiles;
     // 32-bit: a 64-bit division is a called subroutine (num_bh and the tiles are < 2^31)
     const int batch = (int)bidx / (int)p.kv_heads, head_kv = (int)bidx % (int)p.kv_heads;
-    const int row0 = row_tile * kDecodeRows;
+    const int row0 = row_tile * CTA_ROWS;  // the CTA's first packed row
+    const int warp_row0 = warp_row * kDecodeRows;  // the warp's first, within the CTA
     const int nq = (int)p.nq, rows = (int)p.rows;
 
     // -- this CTA's keys: its split, clipped to the sequence and to the band of its queries --
@@ -179,7 +189,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     int row_key_lo[2], row_key_hi[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int i = (row0 + lane / 4 + 8 * h) % nq;
+        const int i = (row0 + warp_row0 + lane / 4 + 8 * h) % nq;
         const i64 first = i + shift + lo, last = i + shift + hi;
         row_key_lo[h] = (int)(first < 0 ? 0 : first);
         row_key_hi[h] = (int)(last < len - 1 ? last : len - 1);
@@ -225,10 +235,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     softmax.init();
 
     if (n_tiles > 0) {
-        // -- Q: the CTA's 16 packed rows (zero past the group's rows and past d) --
+        // -- Q: the CTA's packed rows (zero past the group's rows and past d) --
         const T* gQ = static_cast<const T*>(p.q) + batch * p.q_batch_stride;
         constexpr int Q_CHUNKS = HD / 8;
-        for (int i = tid; i < kDecodeRows * Q_CHUNKS; i += NT) {
+        for (int i = tid; i < CTA_ROWS * Q_CHUNKS; i += NT) {
             const int r = i / Q_CHUNKS, c = i % Q_CHUNKS, R = row0 + r;
             const bool valid = R < rows && c * 8 < p.d;
             const int g = R / nq, qi = R % nq;
@@ -259,9 +269,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (PAGED && tid < L::pages_per_tile) next_page = fetch_page(t + STAGES);
 
         const int stage = t % STAGES;
-        const T* cK = sK + stage * L::kv_elems + warp * KW * L::pitch;  // this warp's keys
-        const T* cV = sV + stage * L::kv_elems + warp * KW * L::pitch;
-        const int kw0 = (tile_first + t) * BC + warp * KW;
+        const T* cK = sK + stage * L::kv_elems + warp_key * KW * L::pitch;  // this warp's keys
+        const T* cV = sV + stage * L::kv_elems + warp_key * KW * L::pitch;
+        const int kw0 = (tile_first + t) * BC + warp_key * KW;
 
         // -- S = Q K^T over this warp's KW keys (raw scores, fp32) --
         float acc_s[KW / 8][4];
@@ -272,7 +282,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[4];
-            ldmatrix_x4(a, smem_addr(sQ + (lane % 16) * L::pitch + kk * 16 + (lane / 16) * 8));
+            ldmatrix_x4(a, smem_addr(sQ + (warp_row0 + lane % 16) * L::pitch + kk * 16 + (lane / 16) * 8));
 #pragma unroll
             for (int nn = 0; nn < KW / 16; ++nn) {
                 u32 b[4];
@@ -285,7 +295,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
         // -- mask: keys outside a row's band or past the end, and (paged) masked pages --
         bool masked = kw0 < clean_first || kw0 + KW - 1 > clean_last;
-        const int* pages = sPage + (t % L::page_slots) * L::pages_per_tile + warp * KW / kPageGroup;
+        const int* pages = sPage + (t % L::page_slots) * L::pages_per_tile + warp_key * KW / kPageGroup;
         if constexpr (PAGED) {
 #pragma unroll
             for (int g = 0; g < KW / kPageGroup; ++g) masked |= pages[g] < 0;
@@ -350,9 +360,11 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (PAGED && tid < L::pages_per_tile) sPage[((t + STAGES) % L::page_slots) * L::pages_per_tile + tid] = next_page;
     }
 
-    // -- merge the warps' states: each warp's O rescaled to the common max and divided by the
-    //    common sum, then summed through shared memory (the K/V buffers, now free) --
+    // -- merge the key warps' states: each warp's O rescaled to its row tile's common max and
+    //    divided by the common sum, then summed through shared memory (the K/V buffers, free
+    //    now). Warp w's m and l of row r sit at [w][r]; a row tile's key warps are adjacent. --
     cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the K/V buffers
     float m_warp[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -363,19 +375,25 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             sStatL[warp * kDecodeRows + lane / 4 + 8 * h] = l;
         }
     }
-    __syncthreads();  // the stats are out, and every warp is done with the K/V buffers
-    float* sO = reinterpret_cast<float*>(sK);  // [NWARPS][16][o_pitch]
+    __syncthreads();  // the stats are out
+    // The common max and sum of row r of row warp wr over its key warps (base: the max, or 0
+    // for a row without keys, whose factors are then exp2(-inf) = 0).
+    auto row_state = [&](int wr, int r, float& base, float& m_all, float& l_all) {
+        const float* m_row = sStatM + wr * KEY_WARPS * kDecodeRows + r;
+        const float* l_row = sStatL + wr * KEY_WARPS * kDecodeRows + r;
+        m_all = neg_inf();
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) m_all = fmaxf(m_all, m_row[w * kDecodeRows]);
+        base = m_all == neg_inf() ? 0.f : m_all;
+        l_all = 0.f;
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) l_all += l_row[w * kDecodeRows] * fast_exp2((m_row[w * kDecodeRows] - base) * scale_log2);
+    };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = lane / 4 + 8 * h;
-        float m_all = neg_inf();
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) m_all = fmaxf(m_all, sStatM[w * kDecodeRows + r]);
-        const float base = m_all == neg_inf() ? 0.f : m_all;  // no key at all: factors exp2(-inf) = 0
-        float l_all = 0.f;
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w)
-            l_all += sStatL[w * kDecodeRows + r] * fast_exp2((sStatM[w * kDecodeRows + r] - base) * scale_log2);
+        float base, m_all, l_all;
+        row_state(warp_row, r, base, m_all, l_all);
         const float factor = l_all > 0.f ? fast_exp2((m_warp[h] - base) * scale_log2) / l_all : 0.f;
         float* row = sO + (warp * kDecodeRows + r) * L::o_pitch;
 #pragma unroll
@@ -390,13 +408,15 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const i64 flat_row0 = bidx * p.rows + row0;  // (batch, Hq, nq) row of packed row row0
     const i64 total_rows = p.num_bh * p.rows;
     constexpr int O_CHUNKS = HD / 4;  // 4 floats a chunk
-    for (int i = tid; i < kDecodeRows * O_CHUNKS; i += NT) {
+    for (int i = tid; i < CTA_ROWS * O_CHUNKS; i += NT) {
         const int r = i / O_CHUNKS, c = i % O_CHUNKS;
         if (row0 + r >= rows || c * 4 >= p.dv) continue;
+        const int wr = r / kDecodeRows, rr = r % kDecodeRows;
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
-            const float4 x = *reinterpret_cast<const float4*>(sO + (w * kDecodeRows + r) * L::o_pitch + 4 * c);
+        for (int w = 0; w < KEY_WARPS; ++w) {
+            const float4 x = *reinterpret_cast<const float4*>(
+                sO + ((wr * KEY_WARPS + w) * kDecodeRows + rr) * L::o_pitch + 4 * c);
             sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
         }
         const i64 flat_row = flat_row0 + r;
@@ -407,13 +427,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w));
         }
         if (c == 0) {
-            float m_all = neg_inf(), l_all = 0.f;
-#pragma unroll
-            for (int w = 0; w < NWARPS; ++w) m_all = fmaxf(m_all, sStatM[w * kDecodeRows + r]);
-            const float base = m_all == neg_inf() ? 0.f : m_all;
-#pragma unroll
-            for (int w = 0; w < NWARPS; ++w)
-                l_all += sStatL[w * kDecodeRows + r] * fast_exp2((sStatM[w * kDecodeRows + r] - base) * scale_log2);
+            float base, m_all, l_all;
+            row_state(wr, rr, base, m_all, l_all);
             if (split_out) {
                 p.ws_l[split * total_rows + flat_row] = l_all;
                 p.ws_m[split * total_rows + flat_row] = m_all;

@@ -129,8 +129,8 @@ def test_dense_without_lengths_reads_the_whole_cache(dtype, num_splits, rng):
 @pytest.mark.parametrize("d,dv", ((8, 8), (40, 40), (64, 64), (72, 72), (128, 128), (64, 128), (128, 8)))
 def test_head_dims(d, dv, rng):
     lengths = [130, 5, 64]
-    for dtype in DECODE_DTYPES:
-        q, k, v = inputs(rng, dtype, 3, HEADS["gqa"], 3, 130, d, dv)
+    for dtype, nq in zip(DECODE_DTYPES, (3, 16)):  # 12 and 64 packed rows: one and four row warps
+        q, k, v = inputs(rng, dtype, 3, HEADS["gqa"], nq, 130, d, dv)
         for num_splits in (1, None):
             check(run_dense(q, k, v, lengths, num_splits=num_splits, causal=True), q, k, v, lengths, dtype,
                   causal=True)
@@ -200,8 +200,10 @@ def test_paged_every_page_size(dtype, page_size, num_splits, rng):
 
     capacity = 4 * 256
     lengths = [0, 1, 17, 3 * page_size + 5, capacity, 300]
-    for heads, nq, vllm in (("gqa", 1, True), ("mqa", 3, False), ("mha", 16, True)):
-        q, k, v = inputs(rng, dtype, len(lengths), HEADS[heads], nq, capacity, 128 if heads != "mha" else 64)
+    # 4, 96, 16 and 32 packed rows: one, four (two CTAs) and two row warps
+    for heads, nq, vllm, d in (("gqa", 1, True, 128), ("mqa", 3, False, 128), ("mha", 16, True, 64),
+                               ("gqa", 8, False, 64)):
+        q, k, v = inputs(rng, dtype, len(lengths), HEADS[heads], nq, capacity, d)
         cache = PagedCache(rng, k, v, lengths, page_size, vllm=vllm)
         k_dev, v_dev, table, seqlens = cache.device()
         out = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
