@@ -134,9 +134,7 @@ def _check_num_splits(num_splits):
 def _band(causal: bool, window) -> Tuple[int, int]:
     """(window_left, window_right) with causal folded in (right clipped to 0); -1 = unbounded."""
     left, right = window_option(window) or _api.NO_WINDOW
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
+    return left, 0 if causal else right
 
 
 def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:

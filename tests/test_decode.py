@@ -51,6 +51,14 @@ def test_param_fields_match_the_header():
     assert _decode._COMBINE_PARAM_FIELDS == header_fields("DecodeCombineParams")
 
 
+def test_a_plan_fills_every_member():
+    p = plan(arr((2, 32, 1, 128)), paged_cache(), page_table=arr((2, 5), np.int32), seqlens_k=arr((2,), np.int32))
+    pointers = {name: 0 for name, kind in _decode._DECODE_PARAM_FIELDS if kind == "Q"}
+    assert set(p.fields) | set(pointers) == {name for name, _ in _decode._DECODE_PARAM_FIELDS}
+    assert len(_decode._pack(_decode._DECODE_PARAM_FIELDS, {**p.fields, **pointers}).tobytes()) == \
+        8 * len(_decode._DECODE_PARAM_FIELDS)
+
+
 def test_constants_match_the_kernel():
     text = (_loader.KERNEL_DIR / "flash_decode.cu").read_text()
     assert f"kDecodeRows = {_config.DECODE_ROW_TILE};" in text
