@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 import os
 import typing
 
@@ -804,6 +806,8 @@ MAX_DECODE_SPLITS = 256
 DECODE_HEAD_DIM_BUCKETS = (64, 128)
 # Splits aim at this many waves of CTAs (resident CTAs on every SM) ...
 DECODE_TARGET_WAVES = 2
+# ... with the last wave at least this full on average ...
+DECODE_WAVE_FILL = 0.9
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams.
 DECODE_MIN_TILES_PER_SPLIT = 4
@@ -914,17 +918,33 @@ def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> Sp
     return SplitKvDecode(dtype, hd, *_DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
 
 
+@functools.lru_cache(maxsize=1024)  # a decode loop asks for the same few shapes every step
 def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_sm: int) -> typing.Tuple[int, int]:
-    """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence: enough splits for
-    DECODE_TARGET_WAVES waves of CTAs over ``sm_count`` SMs holding ``ctas_per_sm`` each, where
-    one split is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles), but every split keeps
-    at least DECODE_MIN_TILES_PER_SPLIT tiles, and at most MAX_DECODE_SPLITS splits. The tiles
-    a split are rounded down, so that rounding never costs the target (the last split is short)."""
+    """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
+    is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles) and a wave ``sm_count`` x
+    ``ctas_per_sm`` CTAs. Every split keeps at least DECODE_MIN_TILES_PER_SPLIT tiles (and
+    there are at most MAX_DECODE_SPLITS). Of those counts, the fewest splits that give at least
+    DECODE_TARGET_WAVES waves with the last wave DECODE_WAVE_FILL full on average (CTAs of one
+    length finish together: 2.2 waves take as long as 3); failing that, the best-filled count
+    that reaches the waves; failing that (short caches), as many splits as there may be."""
     if key_tiles <= 0:
         return 1, 1
-    wanted = -(-DECODE_TARGET_WAVES * sm_count * ctas_per_sm // max(1, ctas_per_split))
-    per_split = max(key_tiles // wanted, DECODE_MIN_TILES_PER_SPLIT, -(-key_tiles // MAX_DECODE_SPLITS))
-    per_split = min(per_split, key_tiles)
+    wave = sm_count * ctas_per_sm
+    most = max(1, min(MAX_DECODE_SPLITS, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
+    best = None  # (fill, -splits, splits, per_split) of the counts that reach the waves
+    for wanted in range(1, most + 1):
+        per_split = -(-key_tiles // wanted)
+        splits = -(-key_tiles // per_split)  # none left without a tile
+        waves = ctas_per_split * splits / wave
+        if waves < DECODE_TARGET_WAVES:
+            continue
+        fill = waves / math.ceil(waves)
+        if fill >= DECODE_WAVE_FILL:
+            return splits, per_split
+        best = max(best or (fill, -splits, splits, per_split), (fill, -splits, splits, per_split))
+    if best is not None:
+        return best[2], best[3]
+    per_split = -(-key_tiles // most)
     return -(-key_tiles // per_split), per_split
 
 

@@ -224,14 +224,22 @@ def test_auto_splits_fill_the_gpu_but_keep_tiles_per_split(batch, kv_len, heads)
     key_tiles = -(-kv_len // p.variant.block_cols)
     assert 1 <= p.num_splits <= _config.MAX_DECODE_SPLITS
     assert (p.num_splits - 1) * p.tiles_per_split < key_tiles <= p.num_splits * p.tiles_per_split  # none empty
-    target = _config.DECODE_TARGET_WAVES * sms * resident
     if p.num_splits > 1:
         assert p.tiles_per_split >= _config.DECODE_MIN_TILES_PER_SPLIT
-    limited = p.tiles_per_split in (_config.DECODE_MIN_TILES_PER_SPLIT, key_tiles) or \
-        p.num_splits == _config.MAX_DECODE_SPLITS
-    if not limited:  # the splits reach the target, and no more than a split past it
-        assert p.num_bh * p.grid_x >= target
-        assert p.num_bh * p.row_tiles * (key_tiles // (p.tiles_per_split + 1)) < target
+    waves = p.num_bh * p.grid_x / (sms * resident)
+    most = min(_config.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT)
+    if p.num_bh * p.row_tiles * most >= _config.DECODE_TARGET_WAVES * sms * resident:
+        assert waves >= _config.DECODE_TARGET_WAVES
+    elif p.num_splits > 1:  # the target is out of reach: as many splits as the tiles allow
+        assert p.tiles_per_split == -(-key_tiles // most)
+
+
+def test_splits_avoid_a_nearly_empty_last_wave():
+    """8 x 8 (batch, k/v head) over 264 CTA slots: 9 splits would be 2.2 waves (as long as 3)."""
+    p = plan(arr((8, 32, 1, 128)), arr((8, 8, 32768, 128)), sm_count=132, ctas_per_sm=2)
+    waves = p.num_bh * p.grid_x / 264
+    assert waves >= 2 and waves / np.ceil(waves) >= _config.DECODE_WAVE_FILL
+    assert p.num_splits == 12  # the fewest that fill: 2.9 waves
 
 
 def test_long_single_sequence_is_spread_over_every_sm():
