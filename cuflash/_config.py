@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import math
 import os
 import typing
 
@@ -791,7 +789,7 @@ def is_hopper(arch: str) -> bool:
 #
 # A few queries a head against a long cache: the keys of each (batch, k/v head) are split over
 # CTAs so that every SM streams K and V, and the query heads sharing a k/v head are packed into
-# one 16-row tile. The kernel is bound by device memory, not by the tensor cores: what a tile
+# one tile of 16, 32 or 64 rows. The kernel is bound by device memory, not by the tensor cores: what a tile
 # size buys is bytes in flight. Per CTA, STAGES - 1 tiles of BC keys (K and V, 2 * BC * hd * 2
 # bytes each) are in flight while one is computed.
 
@@ -918,7 +916,6 @@ def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> Sp
     return SplitKvDecode(dtype, hd, *_DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
 
 
-@functools.lru_cache(maxsize=1024)  # a decode loop asks for the same few shapes every step
 def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_sm: int) -> typing.Tuple[int, int]:
     """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
     is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles) and a wave ``sm_count`` x
@@ -927,6 +924,16 @@ def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_s
     DECODE_TARGET_WAVES waves with the last wave DECODE_WAVE_FILL full on average (CTAs of one
     length finish together: 2.2 waves take as long as 3); failing that, the best-filled count
     that reaches the waves; failing that (short caches), as many splits as there may be."""
+    key = (ctas_per_split, key_tiles, sm_count, ctas_per_sm)
+    if key not in _decode_splits_memo:  # a decode loop asks for the same few shapes every step
+        _decode_splits_memo[key] = _choose_decode_splits(*key)
+    return _decode_splits_memo[key]
+
+
+_decode_splits_memo: dict = {}
+
+
+def _choose_decode_splits(ctas_per_split, key_tiles, sm_count, ctas_per_sm):
     if key_tiles <= 0:
         return 1, 1
     wave = sm_count * ctas_per_sm
@@ -935,10 +942,10 @@ def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_s
     for wanted in range(1, most + 1):
         per_split = -(-key_tiles // wanted)
         splits = -(-key_tiles // per_split)  # none left without a tile
-        waves = ctas_per_split * splits / wave
-        if waves < DECODE_TARGET_WAVES:
+        ctas = ctas_per_split * splits
+        if ctas < DECODE_TARGET_WAVES * wave:
             continue
-        fill = waves / math.ceil(waves)
+        fill = ctas / (-(-ctas // wave) * wave)  # of the waves it takes, how full on average
         if fill >= DECODE_WAVE_FILL:
             return splits, per_split
         best = max(best or (fill, -splits, splits, per_split), (fill, -splits, splits, per_split))
