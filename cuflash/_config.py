@@ -781,7 +781,7 @@ def all_variants(hopper: bool = True, wgmma: typing.Optional[bool] = None):
     ``wgmma`` defaults to ``hopper``."""
     wgmma = hopper if wgmma is None else wgmma
     reduces = [GradientReduce(dtype) for dtype in SUPPORTED_DTYPES]
-    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma) + reduces
+    return all_forward_variants(wgmma) + all_backward_variants(hopper, wgmma) + reduces + all_decode_variants()
 
 
 def variants_for(arch: str):
@@ -825,3 +825,184 @@ class GradientReduce(_Launch):
     @property
     def key(self) -> str:
         return f"grad_reduce_{self.dtype}"
+
+
+# ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
+#
+# A few queries a head against a long cache: the keys of each (batch, k/v head) are split over
+# CTAs so that every SM streams K and V, and the query heads sharing a k/v head are packed into
+# one tile of 16, 32 or 64 rows. The kernel is bound by device memory, not by the tensor cores: what a tile
+# size buys is bytes in flight. Per CTA, STAGES - 1 tiles of BC keys (K and V, 2 * BC * hd * 2
+# bytes each) are in flight while one is computed.
+
+DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows in flash_decode.cu)
+DECODE_PAGE_GROUP = 16  # keys a page-table look-up covers (kPageGroup): the smallest page size
+MAX_DECODE_QUERIES = 16  # queries a head the decoding kernels take (Nq)
+DECODE_PAGE_SIZES = (16, 32, 64, 128, 256)
+MAX_DECODE_SPLITS = 256
+# Head dims (any multiple of 8 up to 128) are padded (zero-filled) up to one of these. 256 is
+# not offered: with O (16 x 256 fp32 a warp) at 128 registers a thread, the 64-key tile
+# spilled 144-180 bytes (sm_80 and sm_90a, two stages); it needs O's columns split over warps.
+DECODE_HEAD_DIM_BUCKETS = (64, 128)
+# Splits aim at this many waves of CTAs (resident CTAs on every SM) ...
+DECODE_TARGET_WAVES = 2
+# ... with the last wave at least this full on average ...
+DECODE_WAVE_FILL = 0.9
+# ... while each split keeps at least this many key tiles, so that its pipeline fills and the
+# workspace and combine stay small next to the cache it streams.
+DECODE_MIN_TILES_PER_SPLIT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKvDecode(_Launch):
+    """The split-KV decoding kernel (``flash_decode_kernel``): block_rows packed query rows of
+    one (batch, k/v head) against one split of its keys. The warps form row_warps x
+    (warps / row_warps): each owns 16 rows and block_cols / (warps / row_warps) keys of every
+    tile; ``stages`` cp.async buffers."""
+
+    dtype: str
+    head_dim: int  # bucket of max(d, dv)
+    block_cols: int  # keys a tile
+    warps: int
+    stages: int
+    paged: bool
+    row_warps: int  # 16-row tiles a CTA
+
+    source = "flash_decode.cu"
+
+    @property
+    def block_rows(self) -> int:
+        return DECODE_ROW_TILE * self.row_warps
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, padded rows) and the page slots
+        of the stages plus one (int32)."""
+        pitch = self.head_dim + SMEM_PAD
+        tiles = 2 * (self.block_rows * pitch + 2 * self.stages * self.block_cols * pitch)
+        return tiles + 4 * (self.stages + 1) * (self.block_cols // DECODE_PAGE_GROUP)
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cuflash::flash_decode_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
+            f"{self.warps}, {self.stages}, {_flag(self.paged)}, {self.row_warps}>"
+        )
+
+    @property
+    def key(self) -> str:
+        return (f"decode_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
+                f"_s{self.stages}{'_paged' if self.paged else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCombine(_Launch):
+    """The merge of the splits' partial results (``flash_decode_combine_kernel``): one warp a row."""
+
+    dtype: str
+    warps: int = 4
+
+    source = "flash_decode.cu"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"cuflash::flash_decode_combine_kernel<{_TYPE_TAG[self.dtype]}, {self.warps}>"
+
+    @property
+    def key(self) -> str:
+        return f"decode_combine_{self.dtype}_w{self.warps}"
+
+
+# (block_cols, warps, stages) per (head-dim bucket, row warps). Four warps; three stages, so
+# two tiles are in flight a CTA while one is computed. A stage of K and V is 32 KB at one and
+# two row warps (block_cols 128 at head dim 64, 64 at 128), and the shared memory of each form
+# (<= 113 KB) lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved a CTA) and one
+# an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole tile's S:
+# smaller tiles there (64 and 48 keys: 18 and 26 KB a stage) keep two CTAs an SM and S at 32
+# or 24 registers. Predicted, not yet measured: Little's law at ~4.2 TB/s over 132 SMs and ~1
+# us of latency asks ~32 KB in flight an SM; two CTAs keep 72-128 KB.
+_DECODE_TILES = {
+    (64, 1): (128, 4, 3), (64, 2): (128, 4, 3), (64, 4): (64, 4, 3),
+    (128, 1): (64, 4, 3), (128, 2): (64, 4, 3), (128, 4): (48, 4, 3),
+}
+
+
+def decode_head_dim_bucket(dim: int) -> int:
+    for bucket in DECODE_HEAD_DIM_BUCKETS:
+        if dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim {dim} exceeds {DECODE_HEAD_DIM_BUCKETS[-1]}")
+
+
+# 16-row tiles a CTA, by packed rows (group x Nq): the fewest that hold them, up to one a warp.
+# Rows past a CTA's go to further row-tile CTAs, which read the same keys again (from L2 when
+# they run together), so more rows a CTA saves that traffic where rows are many (MQA, or
+# GQA with several queries), while few rows keep every warp on its own keys.
+DECODE_ROW_WARPS = (1, 2, 4)
+
+
+def decode_row_warps(rows: int) -> int:
+    for row_warps in DECODE_ROW_WARPS:
+        if rows <= DECODE_ROW_TILE * row_warps:
+            return row_warps
+    return DECODE_ROW_WARPS[-1]
+
+
+def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> SplitKvDecode:
+    """The decoding variant for 16-bit ``dtype``, head dims d (q, k) and dv (v), ``rows``
+    packed query rows (query heads a k/v head x queries a head)."""
+    hd = decode_head_dim_bucket(max(d, dv))
+    row_warps = decode_row_warps(rows)
+    return SplitKvDecode(dtype, hd, *_DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
+
+
+def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_sm: int) -> typing.Tuple[int, int]:
+    """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
+    is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles) and a wave ``sm_count`` x
+    ``ctas_per_sm`` CTAs. Every split keeps at least DECODE_MIN_TILES_PER_SPLIT tiles (and
+    there are at most MAX_DECODE_SPLITS). Of those counts, the fewest splits that give at least
+    DECODE_TARGET_WAVES waves with the last wave DECODE_WAVE_FILL full on average (CTAs of one
+    length finish together: 2.2 waves take as long as 3); failing that, the best-filled count
+    that reaches the waves; failing that (short caches), as many splits as there may be."""
+    key = (ctas_per_split, key_tiles, sm_count, ctas_per_sm)
+    if key not in _decode_splits_memo:  # a decode loop asks for the same few shapes every step
+        _decode_splits_memo[key] = _choose_decode_splits(*key)
+    return _decode_splits_memo[key]
+
+
+_decode_splits_memo: dict = {}
+
+
+def _choose_decode_splits(ctas_per_split, key_tiles, sm_count, ctas_per_sm):
+    if key_tiles <= 0:
+        return 1, 1
+    wave = sm_count * ctas_per_sm
+    most = max(1, min(MAX_DECODE_SPLITS, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
+    best = None  # (fill, -splits, splits, per_split) of the counts that reach the waves
+    for wanted in range(1, most + 1):
+        per_split = -(-key_tiles // wanted)
+        splits = -(-key_tiles // per_split)  # none left without a tile
+        ctas = ctas_per_split * splits
+        if ctas < DECODE_TARGET_WAVES * wave:
+            continue
+        fill = ctas / (-(-ctas // wave) * wave)  # of the waves it takes, how full on average
+        if fill >= DECODE_WAVE_FILL:
+            return splits, per_split
+        best = max(best or (fill, -splits, splits, per_split), (fill, -splits, splits, per_split))
+    if best is not None:
+        return best[2], best[3]
+    per_split = -(-key_tiles // most)
+    return -(-key_tiles // per_split), per_split
+
+
+def all_decode_variants():
+    """Every decoding kernel the dispatcher can launch (the same on every architecture)."""
+    variants = [DecodeCombine(dtype) for dtype in _TYPE_TAG]
+    for dtype in _TYPE_TAG:
+        for hd in DECODE_HEAD_DIM_BUCKETS:
+            for paged in (False, True):
+                for row_warps in DECODE_ROW_WARPS:
+                    variants.append(decode_config(dtype, hd, hd, paged, DECODE_ROW_TILE * row_warps))
+    return variants

@@ -14,6 +14,10 @@ and d != dv), causal with Nq < Nk and Nq > Nk (rows without keys), and block-spa
 windowed cases when cuflash.attention takes them. ``--subset one`` (racecheck, synccheck, which
 are slow): one case per variant.
 
+Decoding (cuflash._decode): every variant, dense and paged (vLLM's layout as a view), split and
+not, with lengths past the capacity and page-table entries outside [0, num_pages), which the
+kernels must clamp and mask without reading out of bounds.
+
 CuPy's memory pool is switched off, so every array is its own cudaMalloc: a read past the end
 of an input, or of an output never written (initcheck), is caught instead of landing in a
 neighbour's block. The last line says how many of ``_config.all_variants()`` (for this GPU)
@@ -86,6 +90,56 @@ def cases(subset):
             for d in dims:
                 out += [Case(dtype, d, d, short, long, False, kind), Case(dtype, d, d, long, short, True, kind)]
     return out
+
+
+class DecodeCase(NamedTuple):
+    dtype: str
+    d: int
+    heads: tuple  # (Hq, Hk)
+    nq: int
+    page_size: Optional[int]  # None: a dense cache
+    num_splits: Optional[int]  # None: chosen
+
+
+# (heads, queries): 4, 32 and 64 packed rows, so one, two and four row warps
+DECODE_GROUPS = (((8, 2), 1), ((8, 1), 4), ((16, 1), 4))
+
+
+def decode_cases(subset):
+    """Decoding cases; ``one`` keeps one a variant (and its combine)."""
+    out = []
+    page_sizes = (None, 16, 256) if subset == "all" else (None, 64)
+    splits = (1, 3, None) if subset == "all" else (3,)  # 3: the combine runs (300 keys are 3-5 tiles)
+    for dtype in ("float16", "bfloat16"):
+        for d in _config.DECODE_HEAD_DIM_BUCKETS:
+            out += [DecodeCase(dtype, d, heads, nq, page_size, num_splits) for page_size in page_sizes
+                    for heads, nq in DECODE_GROUPS for num_splits in splits]
+    return out
+
+
+def run_decode_case(case, rng, subset):
+    """Three sequences against a cache of 300 keys: empty, 37 keys, and a length past the
+    capacity; paged, the table also holds entries outside [0, num_pages)."""
+    import cupy
+
+    from cuflash import _decode
+
+    batch, capacity = 3, 300
+    (hq, hk), d = case.heads, case.d
+    q = strided(rng, batch, hq, case.nq, d, case.dtype)
+    lengths = cupy.asarray(np.array([0, 37, capacity + 50], np.int32))
+    if case.page_size is None:
+        k, v = (strided(rng, batch, hk, capacity, d, case.dtype) for _ in range(2))
+        out = _decode.decode_attention(q, k, v, seqlens_k=lengths, num_splits=case.num_splits)
+    else:
+        max_pages = -(-capacity // case.page_size)
+        num_pages = batch * max_pages
+        k, v = (strided(rng, num_pages, hk, case.page_size, d, case.dtype) for _ in range(2))
+        table = rng.permutation(num_pages).reshape(batch, max_pages).astype(np.int32)
+        table[2, ::2] = rng.choice(np.array([-1, num_pages, 2**31 - 1, -2**31], np.int32), size=table[2, ::2].shape)
+        out = _decode.decode_attention(q, k, v, page_table=cupy.asarray(table), seqlens_k=lengths,
+                                       num_splits=case.num_splits)
+    return bool(cupy.isfinite(out.o).all()) and bool(cupy.isfinite(out.l).all())
 
 
 def mask_kwargs(case, rng):
@@ -196,7 +250,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     failures = 0
     case_list = cases(args.subset)
-    runs = [(case, "") for case in case_list]
+    runs = [(case, "") for case in case_list] + [(case, "") for case in decode_cases(args.subset)]
     if _config.has_wgmma(arch):
         # The forms the default wgmma kernels replace stay reachable: the mma.sync forward
         # (CUFLASH_WGMMA=0) and backward (CUFLASH_WGMMA_BWD=0), the cp.async wgmma forward
@@ -211,7 +265,7 @@ def main(argv=None) -> int:
     for case, form in runs[k::n]:
         start = time.perf_counter()
         with _form(form, case.d):
-            finite = run_case(case, rng, args.subset)
+            finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
         failures += not finite
         label = f" ({form})" if form else ""
         print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)

@@ -25,3 +25,14 @@ def test_coverage_line(cases_module):
     assert cases_module.coverage_line(known, {"a", "b", "c"}) == "covered 3 of 3 dispatcher variants"
     line = cases_module.coverage_line(known, {"a", "x"})
     assert line.startswith("covered 1 of 3") and "1 more not in" in line and line.endswith("missing: b, c")
+
+
+@pytest.mark.parametrize("subset", ("all", "one"))
+def test_decode_cases_reach_every_decode_variant(cases_module, subset):
+    from cuflash import _config
+
+    reached = {_config.decode_config(c.dtype, c.d, c.d, c.page_size is not None, c.heads[0] // c.heads[1] * c.nq).key
+               for c in cases_module.decode_cases(subset)}
+    assert reached == {v.key for v in _config.all_decode_variants() if isinstance(v, _config.SplitKvDecode)}
+    assert all(any(c.num_splits == 3 and c.dtype == dtype for c in cases_module.decode_cases(subset))
+               for dtype in ("float16", "bfloat16"))  # both combines run

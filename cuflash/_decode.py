@@ -1,0 +1,390 @@
+"""Decoding: a few queries a head against a long, dense or paged, KV cache (kernels/flash_decode.cu).
+
+:func:`decode_attention` splits each (batch, k/v head)'s keys over CTAs, packs the query heads
+that share a k/v head into one tile of rows, and merges the splits' partial results exactly by
+their log-sum-exp. :func:`supports` says whether a call fits it; :func:`plan_decode` does every
+host-side check and choice without touching the GPU (what the CPU tests exercise).
+
+Values in device memory are never read on the host (no synchronisation): lengths
+(``seqlens_k``) are clamped to [0, capacity] inside the kernel, where capacity is Nk (dense) or
+max_pages * page_size (paged), and a page index outside [0, num_pages) masks the keys of that
+page (they take no part, as if past the sequence's end) instead of being dereferenced.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from . import _api, _config, _loader
+from .masks import window_option
+
+_DECODE_DTYPES = ("float16", "bfloat16")
+MAX_KEY_POSITION = 2**31 - 1
+_H200_SMEM_PER_SM = 228 * 1024  # plan_decode's default when no GPU is asked  # the kernel counts keys (and capacity + Nq) in 32 bits
+
+# struct DecodeParams in kernels/flash_decode.cu, member by member (tests/test_decode.py
+# checks the header against it).
+_DECODE_PARAM_FIELDS = (
+    ("q", "Q"), ("k", "Q"), ("v", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
+    ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("page_table", "Q"), ("seqlens", "Q"),
+    ("kv_heads", "q"), ("group", "q"), ("nq", "q"), ("rows", "q"), ("row_tiles", "q"), ("num_bh", "q"),
+    ("capacity", "q"), ("d", "q"), ("dv", "q"),
+    ("q_batch_stride", "q"), ("q_head_stride", "q"), ("q_row_stride", "q"),
+    ("k_batch_stride", "q"), ("k_head_stride", "q"), ("k_row_stride", "q"),
+    ("v_batch_stride", "q"), ("v_head_stride", "q"), ("v_row_stride", "q"),
+    ("page_shift", "q"), ("max_pages", "q"), ("num_pages", "q"),
+    ("num_splits", "q"), ("tiles_per_split", "q"),
+    ("scale", "d"), ("scale_log2", "d"),
+    ("window_left", "q"), ("window_right", "q"),
+)
+_COMBINE_PARAM_FIELDS = (
+    ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
+    ("total_rows", "q"), ("dv", "q"), ("num_splits", "q"), ("scale", "d"), ("scale_log2", "d"),
+)
+
+
+def _pack(fields, values: dict) -> np.void:
+    """A kernel's parameter struct as bytes (every member 8 bytes, in the header's order)."""
+    fmt = "<" + "".join(kind for _, kind in fields)
+    return np.void(struct.pack(fmt, *(values[name] for name, _ in fields)))
+
+
+class DecodePlan(NamedTuple):
+    """Everything :func:`decode_attention` decides from shapes, strides and the GPU's size."""
+
+    variant: _config.SplitKvDecode
+    combine: Optional[_config.DecodeCombine]  # None with one split: the kernel writes o, l, m
+    num_splits: int
+    tiles_per_split: int  # key tiles of block_cols keys a split covers
+    row_tiles: int  # CTAs of variant.block_rows packed rows per (batch, k/v head)
+    batch: int
+    kv_heads: int
+    group: int  # query heads per k/v head
+    nq: int
+    capacity: int  # keys a sequence can hold: Nk, or max_pages * page_size
+    d: int
+    dv: int
+    out_shape: tuple  # o's; l and m drop the last dim
+    fields: dict  # the DecodeParams members that are not pointers
+
+    @property
+    def grid_x(self) -> int:
+        return self.row_tiles * self.num_splits
+
+    @property
+    def num_bh(self) -> int:
+        return self.batch * self.kv_heads
+
+    @property
+    def total_rows(self) -> int:
+        return self.batch * self.kv_heads * self.group * self.nq
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def _shape_text(x) -> str:
+    return f"shape {tuple(x.shape)}, dtype {_api._dtype_name(x.dtype)}"
+
+
+def _merged_batch(shape, strides, name) -> Tuple[int, int]:
+    """(size, element stride) of leading dims that must address as one: each dim's stride is
+    the next one's times its size (size-1 dims are free). Raises ValueError otherwise."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    size = math.prod(shape)
+    if not dims or size == 0:
+        return size, 0
+    for (n_outer, s_outer), (n_inner, s_inner) in zip(dims, dims[1:]):
+        if s_outer != s_inner * n_inner:
+            raise ValueError(
+                f"the batch dims {tuple(shape)} of {name} must collapse into one (element strides "
+                f"{tuple(strides)} do not nest); reshape it to (batch, heads, N, head_dim)")
+    return size, dims[-1][1]
+
+
+def _check_index_array(x, name, shape, device_id):
+    """page_table / seqlens_k: an int32, C-contiguous device array of exactly ``shape``."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "data") or not hasattr(x, "device"):
+        raise TypeError(f"{name} must be an int32 GPU array of shape {shape}, got {type(x).__module__}."
+                        f"{type(x).__name__}")
+    if _api._dtype_name(x.dtype) != "int32":
+        raise TypeError(f"{name} must be int32, got {_shape_text(x)}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {_shape_text(x)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous, got {_shape_text(x)} with strides {tuple(x.strides)}")
+    if x.device.id != device_id:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {device_id}")
+
+
+def _check_num_splits(num_splits):
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
+    if not 1 <= num_splits <= _config.MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be between 1 and {_config.MAX_DECODE_SPLITS}, got {num_splits}")
+    return int(num_splits)
+
+
+def _band(causal: bool, window) -> Tuple[int, int]:
+    """(window_left, window_right) with causal folded in (right clipped to 0); -1 = unbounded."""
+    left, right = window_option(window) or _api.NO_WINDOW
+    return left, 0 if causal else right
+
+
+def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:
+    """Whether :func:`decode_attention` takes this call: 1 to MAX_DECODE_QUERIES queries a head,
+    float16 / bfloat16, head dims (multiples of 8) up to 128, no block mask, and a layout it
+    reads (see :func:`decode_attention`). With a ``page_table`` call decode_attention
+    directly: its errors say what is wrong."""
+    if block_mask is not None:
+        return False
+    try:
+        _plan_layout(q, k, v, page_table)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _plan_layout(q, k, v, page_table):
+    """The shape and stride checks: (dtype, layout dict). Raises TypeError / ValueError."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "strides"):
+            raise TypeError(f"{name} must be a GPU array, got {type(x).__module__}.{type(x).__name__}")
+    dtype = _api.check_dtypes(q.dtype, k.dtype, v.dtype)
+    if dtype not in _DECODE_DTYPES:
+        raise TypeError(f"decoding takes float16 or bfloat16, got q {_shape_text(q)}")
+    devices = {x.device.id for x in (q, k, v)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k and v must be on one device, got devices q {q.device.id}, k {k.device.id}, "
+                         f"v {v.device.id}")
+    if q.ndim < 3:
+        raise ValueError(f"q must have shape (batch..., Hq, Nq, head_dim), got {_shape_text(q)}")
+    paged = page_table is not None
+    kv_rank = "(num_pages, Hk, page_size, head_dim)" if paged else "(batch..., Hk, Nk, head_dim)"
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim < 3 or (paged and x.ndim != 4):
+            raise ValueError(f"{name} must have shape {kv_rank}, got {_shape_text(x)}")
+    nq, nk, d, dv = _api.check_head_dims(q.shape, k.shape, v.shape)
+    if not 1 <= nq <= _config.MAX_DECODE_QUERIES:
+        raise ValueError(f"decoding takes 1 to {_config.MAX_DECODE_QUERIES} queries a head, got q {_shape_text(q)}")
+    if max(d, dv) > _config.DECODE_HEAD_DIM_BUCKETS[-1]:
+        raise ValueError(f"decoding takes head dims up to {_config.DECODE_HEAD_DIM_BUCKETS[-1]}, got q "
+                         f"{_shape_text(q)}, v {_shape_text(v)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in every dim but the last: k {_shape_text(k)}, v {_shape_text(v)}")
+    strides = {name: _api._element_strides(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _api._check_vector_alignment(x, name, strides[name])
+    hq, hk = q.shape[-3], k.shape[-3]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"the k/v heads must divide the query heads: q {_shape_text(q)}, k {_shape_text(k)}")
+    batch, q_batch_stride = _merged_batch(q.shape[:-3], strides["q"][:-3], "q")
+    layout = dict(dtype=dtype, nq=nq, d=d, dv=dv, batch=batch, kv_heads=hk, group=hq // hk,
+                  q_strides=(q_batch_stride,) + strides["q"][-3:-1])
+    if paged:
+        num_pages, _, page_size, _ = k.shape
+        if page_size not in _config.DECODE_PAGE_SIZES:
+            raise ValueError(f"page size (k.shape[2]) must be one of {_config.DECODE_PAGE_SIZES}, got k {_shape_text(k)}")
+        layout.update(num_pages=num_pages, page_size=page_size,
+                      k_strides=strides["k"][:3], v_strides=strides["v"][:3])
+    else:
+        if k.shape[:-3] != q.shape[:-3]:
+            raise ValueError(f"the batch dims of q and k must be equal: q {_shape_text(q)}, k {_shape_text(k)}")
+        layout["capacity"] = nk
+        for name in ("k", "v"):
+            _, batch_stride = _merged_batch(k.shape[:-3], strides[name][:-3], name)
+            layout[f"{name}_strides"] = (batch_stride,) + strides[name][-3:-1]
+    return dtype, layout
+
+
+def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=None, seqlens_k=None,
+                num_splits=None, sm_count: int = 132, ctas_per_sm=None) -> DecodePlan:
+    """Every check and choice of :func:`decode_attention`, on the host only (arrays need
+    shape, strides, dtype, ``data.ptr`` and ``device.id``; nothing is read from the GPU).
+    ``sm_count`` / ``ctas_per_sm``: the GPU's size, for choosing the number of splits;
+    ctas_per_sm is an int or a function of the variant, by default what shared memory
+    allows on an H100/H200 (228 KB an SM)."""
+    dtype, layout = _plan_layout(q, k, v, page_table)
+    paged = page_table is not None
+    batch, device_id = layout["batch"], q.device.id
+    if paged:
+        if seqlens_k is None:
+            raise ValueError("a paged cache needs seqlens_k (int32, (batch,)) with the length of each sequence")
+        if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+            raise ValueError(f"page_table must have shape (batch, max_pages) = ({batch}, >= 1) for q "
+                             f"{_shape_text(q)}, got {_shape_text(page_table)}")
+        _check_index_array(page_table, "page_table", tuple(page_table.shape), device_id)
+        layout["capacity"] = page_table.shape[1] * layout["page_size"]
+    if seqlens_k is not None:
+        _check_index_array(seqlens_k, "seqlens_k", (batch,), device_id)
+    capacity = layout["capacity"]
+    if capacity + layout["nq"] > MAX_KEY_POSITION:
+        raise ValueError(f"a cache of {capacity} keys a sequence exceeds the {MAX_KEY_POSITION - layout['nq']} "
+                         f"the decoding kernels count")
+    scale = _api._resolve_scale(scale, layout["d"])
+    window_left, window_right = _band(causal, window)
+    forced = _check_num_splits(num_splits)
+
+    rows = layout["group"] * layout["nq"]
+    variant = _config.decode_config(dtype, layout["d"], layout["dv"], paged, rows)
+    row_tiles = -(-rows // variant.block_rows)
+    num_bh = batch * layout["kv_heads"]
+    if num_bh * rows >= 2**31:
+        raise ValueError(f"{num_bh * rows} query rows exceed the 2^31 the decoding kernels count: q {_shape_text(q)}")
+    key_tiles = -(-capacity // variant.block_cols)
+    if forced is None:
+        if ctas_per_sm is None:
+            ctas_per_sm = _ctas_per_sm_by_smem(variant, _H200_SMEM_PER_SM)
+        elif callable(ctas_per_sm):
+            ctas_per_sm = ctas_per_sm(variant)
+        splits, tiles_per_split = _config.decode_splits(num_bh * row_tiles, key_tiles, sm_count, ctas_per_sm)
+    else:  # as given, even where some splits get no tile (they write the empty state)
+        splits, tiles_per_split = forced, max(1, -(-key_tiles // forced))
+    fields = dict(
+        kv_heads=layout["kv_heads"], group=layout["group"], nq=layout["nq"], rows=rows, row_tiles=row_tiles,
+        num_bh=num_bh, capacity=capacity, d=layout["d"], dv=layout["dv"],
+        q_batch_stride=layout["q_strides"][0], q_head_stride=layout["q_strides"][1],
+        q_row_stride=layout["q_strides"][2],
+        k_batch_stride=layout["k_strides"][0], k_head_stride=layout["k_strides"][1],
+        k_row_stride=layout["k_strides"][2],
+        v_batch_stride=layout["v_strides"][0], v_head_stride=layout["v_strides"][1],
+        v_row_stride=layout["v_strides"][2],
+        page_shift=int(layout.get("page_size", 1)).bit_length() - 1,
+        max_pages=page_table.shape[1] if paged else 0, num_pages=layout.get("num_pages", 0),
+        num_splits=splits, tiles_per_split=tiles_per_split,
+        scale=scale, scale_log2=scale * math.log2(math.e),
+        window_left=window_left, window_right=window_right,
+    )
+    return DecodePlan(
+        variant=variant, combine=_config.DecodeCombine(dtype) if splits > 1 else None, num_splits=splits,
+        tiles_per_split=tiles_per_split, row_tiles=row_tiles, batch=batch, kv_heads=layout["kv_heads"],
+        group=layout["group"], nq=layout["nq"], capacity=capacity, d=layout["d"], dv=layout["dv"],
+        out_shape=tuple(q.shape[:-1]) + (layout["dv"],), fields=fields,
+    )
+
+
+def _ctas_per_sm_by_smem(variant, smem_per_sm: int) -> int:
+    """CTAs of ``variant`` one SM's shared memory holds (each CTA also reserves 1 KB)."""
+    return max(1, smem_per_sm // (variant.smem_bytes() + 1024))
+
+
+_resident: dict = {}  # (device id, variant key) -> CTAs an SM holds
+
+
+def _ctas_per_sm(variant, device_id: int) -> int:
+    """CTAs of ``variant`` resident on one SM of the device: bounded by shared memory and by
+    registers (the kernel's count from its build)."""
+    key = (device_id, variant.key)
+    if key not in _resident:
+        import cupy
+
+        attr = cupy.cuda.runtime.deviceGetAttribute
+        smem = attr(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)
+        regs = attr(cupy.cuda.runtime.cudaDevAttrMaxRegistersPerMultiprocessor, device_id)
+        per_thread = -(-_loader.get_kernel(variant).num_regs // 8) * 8  # allocated 8 at a time
+        by_regs = max(1, regs // (per_thread * variant.threads))
+        _resident[key] = min(_ctas_per_sm_by_smem(variant, smem), by_regs)
+    return _resident[key]
+
+
+# ---- the call -------------------------------------------------------------------------------
+
+
+def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
+                     seqlens_k=None, num_splits=None) -> _api.AttentionOutput:
+    """Attention of a few queries a head against a KV cache, split over the keys.
+
+    Args:
+        q: (batch..., Hq, Nq, d) cupy array, Nq in 1..16; the batch dims (any number, also
+            none) must address as one dim (``x.reshape(B, Hq, Nq, d)`` would be a view).
+        k, v: dense caches (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
+            ``page_table``, paged caches (num_pages, Hk, page_size, d) / (..., dv), page_size
+            a power of two in 16..256. Hk divides Hq: q head h reads k/v head h // (Hq // Hk).
+            float16 or bfloat16, all three alike; d and dv multiples of 8 up to 128. Any
+            strides whose last dim is contiguous and 16-byte aligned: vLLM's (num_pages,
+            page_size, Hk, d) passes as ``.swapaxes(1, 2)`` without a copy.
+        page_table: int32 (batch, max_pages), C-contiguous, on q's device: page of key j of
+            sequence b is page_table[b, j // page_size]. An entry outside [0, num_pages) is
+            never dereferenced: the keys of that page are masked.
+        seqlens_k: int32 (batch,), on q's device: each sequence's key count. Required when
+            paged; optional when dense (default Nk). Read by the kernel, never by the host:
+            a value below 0 counts as 0, one above the capacity (Nk, or max_pages *
+            page_size) as the capacity. A length of 0 gives o = 0, l = 0, m = -inf.
+        causal: query i of Nq sees key j iff j <= len - Nq + i (aligned at each sequence's end).
+        scale: multiplies q k^T; default 1 / sqrt(d).
+        window: (left, right), the same alignment: len - Nq + i - left <= j <= len - Nq + i +
+            right; -1 leaves a side unbounded. Combines with causal.
+        num_splits: None (chosen from the batch, heads, row tiles, capacity and SM count) or
+            1..MAX_DECODE_SPLITS: the key range of each (batch, k/v head) in that many CTAs.
+
+    Returns:
+        AttentionOutput(o, l, m): o (batch..., Hq, Nq, dv) in q's dtype, l and m (batch...,
+        Hq, Nq) float32, as :func:`cuflash.attention`: m = max_j S, l = sum_j exp(S - m),
+        S = scale * q k^T over the allowed keys. Runs on CuPy's current stream; with more than
+        one split, a float32 workspace comes from CuPy's memory pool.
+
+    Example (vLLM's cache layout, one token a sequence):
+        >>> k_cache = cupy.zeros((num_pages, page_size, 8, 128), cupy.float16)
+        >>> o, l, m = decode_attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2),
+        ...                            page_table=block_tables, seqlens_k=context_lens)
+    """
+    q, k, v = _api.as_cupy(q, "q"), _api.as_cupy(k, "k"), _api.as_cupy(v, "v")
+    with q.device:
+        device_id = q.device.id
+        plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
+                           seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_api._sm_count(device_id),
+                           ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
+        return run_plan(plan, q, k, v, page_table=page_table, seqlens_k=seqlens_k)
+
+
+def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,
+             out=None) -> _api.AttentionOutput:
+    """Launch a :func:`plan_decode` plan on arrays of the shapes and strides it was made for.
+    ``workspace``: (ws_o, ws_l, ws_m) float32 arrays of at least (num_splits * total_rows *
+    dv,) and (num_splits * total_rows,) elements, or None to take them from CuPy's pool;
+    ``out``: (o, l, m) to write, or None for new arrays. With both given a call allocates
+    nothing (what a captured CUDA graph needs)."""
+    import cupy
+
+    if out is None:
+        o = cupy.empty(plan.out_shape, dtype=q.dtype)
+        l = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
+        m = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
+    else:
+        o, l, m = out
+    if plan.total_rows == 0:
+        return _api.AttentionOutput(o, l, m)
+    split_rows = plan.num_splits * plan.total_rows
+    if plan.combine is None:
+        ws_ptrs = (0, 0, 0)
+    else:
+        if workspace is None:
+            workspace = (cupy.empty(split_rows * plan.dv, cupy.float32), cupy.empty(split_rows, cupy.float32),
+                         cupy.empty(split_rows, cupy.float32))
+        for name, x, need in zip(("ws_o", "ws_l", "ws_m"), workspace, (split_rows * plan.dv, split_rows, split_rows)):
+            if x.dtype != np.float32 or x.size < need or not x.flags.c_contiguous:
+                raise ValueError(f"workspace {name} must be a contiguous float32 array of at least {need} "
+                                 f"elements, got {_shape_text(x)}")
+        ws_ptrs = tuple(x.data.ptr for x in workspace)
+    pointers = dict(
+        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=o.data.ptr, l=l.data.ptr, m=m.data.ptr,
+        ws_o=ws_ptrs[0], ws_l=ws_ptrs[1], ws_m=ws_ptrs[2],
+        page_table=0 if page_table is None else page_table.data.ptr,
+        seqlens=0 if seqlens_k is None else seqlens_k.data.ptr,
+    )
+    params = _pack(_DECODE_PARAM_FIELDS, {**plan.fields, **pointers})
+    _api._launch(plan.variant, plan.grid_x, plan.num_bh, (params,), plan.d, plan.dv)
+    if plan.combine is not None:
+        combine = _pack(_COMBINE_PARAM_FIELDS, dict(
+            ws_o=ws_ptrs[0], ws_l=ws_ptrs[1], ws_m=ws_ptrs[2], o=o.data.ptr, l=l.data.ptr, m=m.data.ptr,
+            total_rows=plan.total_rows, dv=plan.dv, num_splits=plan.num_splits,
+            scale=plan.fields["scale"], scale_log2=plan.fields["scale_log2"]))
+        blocks = -(-plan.total_rows // plan.combine.warps)
+        _api._launch(plan.combine, blocks, 1, (combine,), 0, 0)
+    return _api.AttentionOutput(o, l, m)

@@ -1,0 +1,497 @@
+// flash_decode.cu: attention of a few queries against a long KV cache (decoding, speculative
+// verification, chunked-prefill tails), split across the keys (Flash-Decoding), for float16 /
+// bfloat16 on tensor cores (sm_80 and newer). Dense caches and paged ones.
+//
+// With 1-16 queries a head, one CTA per (batch, head) leaves most SMs idle while a few stream
+// the whole cache. So:
+//   - The Hq / Hk query heads that share a k/v head are packed into one tile of rows,
+//     rows = group x Nq (row R = g * Nq + i: query i of head hk * group + g), 16 x ROW_WARPS
+//     rows a CTA, so each K/V byte is read once per group; a group of more rows takes several
+//     row-tile CTAs, adjacent in the grid so that their K/V reads meet in L2.
+//   - The key range of each (batch, k/v head) is cut into num_splits chunks of whole key tiles,
+//     each a CTA. A split writes its partial (o / l, l, m) to a float32 workspace and
+//     flash_decode_combine_kernel merges the splits by their log-sum-exp. With one split the
+//     kernel writes o, l, m itself.
+//   - Inside a CTA the NWARPS warps form ROW_WARPS x KEY_WARPS: warp (wr, wk) owns rows
+//     [16 wr, 16 wr + 16) of the CTA's and keys [wk KW, (wk + 1) KW) of each tile of BC =
+//     KEY_WARPS x KW keys, with its own online-softmax state and O. The key warps of a row
+//     tile merge their states once, at the end, so a warp never waits for another inside the
+//     loop (one barrier a tile, for the buffers). Few rows (GQA, Nq = 1: 4 rows) take one row
+//     warp and four key warps: every warp has work, and no mma row is wasted twice.
+//   - Tiles stream through STAGES cp.async buffers: STAGES - 1 tiles in flight while one is
+//     computed. Every thread issues BC * HD / (8 * NT) 16-byte copies each of K and V a tile.
+//
+// Sequence lengths are read from device memory (seqlens, clamped to [0, capacity]): the grid
+// is sized from the capacity, and a CTA whose keys all lie past its sequence's end writes the
+// empty state (o = 0, l = 0, m = -inf) without loading anything. Rows past a length are never
+// read (the copies zero-fill them), whatever the cache holds there.
+//
+// Paged caches: key j of sequence b lives in page page_table[b][j / page_size], row
+// j % page_size. A page index outside [0, num_pages) is never dereferenced: the keys of that
+// page are masked (they take no part, as if past the sequence's end), so a bad table entry
+// cannot read out of bounds. Page indices of a tile go to shared memory one iteration before
+// its copies are issued, so the page-table read latency is off the copy path.
+//
+// Every tile size is a template argument chosen by cuflash/_config.py (SplitKvDecode).
+#include "common.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+#include "tile_io.cuh"
+
+namespace cuflash {
+
+constexpr int kDecodeRows = 16;  // query rows a warp: one m16 tile (DECODE_ROW_TILE in _config)
+constexpr int kPageGroup = 16;   // keys that share one page-table look-up (the smallest page)
+
+// Every member is 8 bytes (packed by cuflash/_decode.py, _DECODE_PARAM_FORMAT).
+struct DecodeParams {
+    const void* q;        // (batch..., Hq, nq, d): strided, last dim contiguous
+    const void* k;        // dense (batch, Hk, capacity, d) or paged (num_pages, Hk, page_size, d)
+    const void* v;        // like k, with dv
+    void* o;              // (batch, Hq, nq, dv) contiguous, q's dtype
+    float* l;             // (batch, Hq, nq) contiguous
+    float* m;
+    float* ws_o;          // num_splits > 1: (num_splits, batch * Hq * nq, dv) float32, o / l per split
+    float* ws_l;          // (num_splits, batch * Hq * nq): l per split
+    float* ws_m;          //   and the raw (unscaled) max of q.k per split; -inf if empty
+    const int* page_table;  // paged: (batch, max_pages) contiguous
+    const int* seqlens;     // (batch,) or null: every sequence is `capacity` long
+    i64 kv_heads;         // Hk
+    i64 group;            // Hq / Hk
+    i64 nq;
+    i64 rows;             // group * nq: packed rows of one (batch, k/v head)
+    i64 row_tiles;        // ceil(rows / (kDecodeRows * ROW_WARPS))
+    i64 num_bh;           // batch * Hk
+    i64 capacity;         // keys a sequence can hold: Nk (dense) or max_pages * page_size
+    i64 d, dv;
+    i64 q_batch_stride, q_head_stride, q_row_stride;  // element strides
+    i64 k_batch_stride, k_head_stride, k_row_stride;  // paged: k_batch_stride is the page stride
+    i64 v_batch_stride, v_head_stride, v_row_stride;
+    i64 page_shift;       // log2(page_size); paged only
+    i64 max_pages, num_pages;
+    i64 num_splits, tiles_per_split;
+    double scale, scale_log2;
+    // Aligned at each sequence's end like causal (which Python folds in as right = 0):
+    // query i sees key j iff len - nq + i - window_left <= j <= len - nq + i + window_right.
+    i64 window_left, window_right;
+};
+
+struct DecodeCombineParams {
+    const float* ws_o;
+    const float* ws_l;
+    const float* ws_m;
+    void* o;
+    float* l;
+    float* m;
+    i64 total_rows;       // batch * Hq * nq
+    i64 dv;
+    i64 num_splits;
+    double scale, scale_log2;
+};
+
+template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS>
+struct DecodeSmemLayout {
+    static constexpr int pitch = HD + kSmemPad;
+    static constexpr int q_elems = ROW_WARPS * kDecodeRows * pitch;
+    static constexpr int kv_elems = BC * pitch;  // one stage of K (or V)
+    static constexpr int page_slots = STAGES + 1;  // one more than the stages: see the loop
+    static constexpr int pages_per_tile = BC / kPageGroup;
+    static constexpr int tile_bytes = 2 * (q_elems + 2 * STAGES * kv_elems);
+    static constexpr int page_bytes = 4 * page_slots * pages_per_tile;
+    static constexpr int bytes = tile_bytes + page_bytes;
+    // Once the loop is done, the K/V buffers hold each warp's O (float32) and then its m and l
+    // per row, for the merge.
+    static constexpr int o_pitch = HD + 4;
+    static constexpr int o_bytes = 4 * NWARPS * kDecodeRows * o_pitch;
+    static constexpr int stat_bytes = 4 * 2 * NWARPS * kDecodeRows;
+    static_assert(o_bytes + stat_bytes <= 2 * 2 * STAGES * kv_elems, "the merge fits in K/V");
+};
+
+// The page of the 16-key group starting at key j, or -1 when it must not be read: past the
+// sequence's end, or an index outside [0, num_pages).
+__device__ __forceinline__ int page_of(const DecodeParams& p, const int* table_row, int j, int len) {
+    if (j >= len) return -1;
+    const int page = table_row[j >> p.page_shift];
+    return (page >= 0 && page < p.num_pages) ? page : -1;
+}
+
+// Copies keys [k0, k0 + BC) of a paged cache into shared memory (pitch PITCH), the page of
+// each 16-key group from `pages`; keys past len or in a masked page are zero-filled, not read.
+template <int BC, int HD, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_paged_tile_async(T* smem, const T* cache, i64 page_stride, i64 row_stride,
+                                                      const int* pages, int k0, int len, i64 ncols,
+                                                      int page_mask, int tid) {
+    constexpr int CHUNKS = HD / 8;
+    constexpr int TOTAL = BC * CHUNKS;
+    static_assert(TOTAL % NT == 0, "whole copies a thread");
+#pragma unroll
+    for (int it = 0; it < TOTAL / NT; ++it) {
+        const int i = tid + it * NT;
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const int j = k0 + r;
+        const int page = pages[r / kPageGroup];
+        const bool valid = j < len && page >= 0 && c * 8 < ncols;
+        const T* src = valid ? cache + page * page_stride + (j & page_mask) * row_stride + c * 8 : cache;
+        cp_async_16(smem_addr(smem + r * PITCH + c * 8), src, valid);
+    }
+}
+
+template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+    constexpr int NT = NWARPS * 32;
+    constexpr int KEY_WARPS = NWARPS / ROW_WARPS;
+    constexpr int KW = BC / KEY_WARPS;  // keys a warp owns in each tile
+    constexpr int CTA_ROWS = ROW_WARPS * kDecodeRows;
+    static_assert(KEY_WARPS * ROW_WARPS == NWARPS, "the warps form ROW_WARPS x KEY_WARPS");
+    static_assert(KW % 16 == 0 && KW * KEY_WARPS == BC, "each warp takes whole 16-key mma steps");
+    static_assert(HD % 16 == 0 && STAGES >= 2, "mma tiles are 16 wide; at least double buffering");
+    using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS>;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    require_dynamic_smem((u32)L::bytes);
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + L::q_elems;
+    T* sV = sK + STAGES * L::kv_elems;
+    int* sPage = reinterpret_cast<int*>(smem_raw + L::tile_bytes);  // [page_slots][pages_per_tile]
+    float* sO = reinterpret_cast<float*>(sK);  // after the loop: [NWARPS][16][o_pitch]
+    float* sStatM = sO + L::o_bytes / 4;      // after the loop: [NWARPS][16]
+    float* sStatL = sStatM + NWARPS * kDecodeRows;
+
+    const i64 bidx = flat_batch_index();  // batch * Hk + k/v head
+    if (bidx >= p.num_bh) return;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int warp_row = warp / KEY_WARPS, warp_key = warp % KEY_WARPS;
+    const int row_tile = (int)blockIdx.x % (int)p.row_tiles, split = (int)blockIdx.x / (int)p.row_tiles;
+    // 32-bit: a 64-bit division is a called subroutine (num_bh and the tiles are < 2^31)
+    const int batch = (int)bidx / (int)p.kv_heads, head_kv = (int)bidx % (int)p.kv_heads;
+    const int row0 = row_tile * CTA_ROWS;  // the CTA's first packed row
+    const int warp_row0 = warp_row * kDecodeRows;  // the warp's first, within the CTA
+    const int nq = (int)p.nq, rows = (int)p.rows;
+
+    // -- this CTA's keys: its split, clipped to the sequence and to the band of its queries --
+    i64 len = p.seqlens ? (i64)p.seqlens[batch] : p.capacity;
+    len = len < 0 ? 0 : (len > p.capacity ? p.capacity : len);
+    const i64 shift = len - nq;  // query i's diagonal: key i + shift
+    const i64 lo = p.window_left < 0 ? -kUnbounded : -p.window_left;
+    const i64 hi = p.window_right < 0 ? kUnbounded : p.window_right;
+    i64 key_first = (i64)split * p.tiles_per_split * BC, key_end = key_first + p.tiles_per_split * BC;
+    key_first = key_first > shift + lo ? key_first : shift + lo;   // query 0's first key
+    key_end = key_end < len ? key_end : len;
+    key_end = key_end < nq + shift + hi ? key_end : nq + shift + hi;  // one past query nq-1's last
+    const int tile_first = (int)(key_first / BC);
+    const int n_tiles = key_end > key_first ? (int)((key_end + BC - 1) / BC) - tile_first : 0;
+    // Keys every query sees (no element mask): [clean_first, clean_last].
+    const i64 clean_first = nq - 1 + shift + lo, clean_last = shift + hi < len - 1 ? shift + hi : len - 1;
+
+    // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8. Its rows'
+    // keys: [row_key_lo[h], row_key_hi[h]] (32-bit: positions are < 2^31).
+    int row_key_lo[2], row_key_hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = (row0 + warp_row0 + lane / 4 + 8 * h) % nq;
+        const i64 first = i + shift + lo, last = i + shift + hi;
+        row_key_lo[h] = (int)(first < 0 ? 0 : first);
+        row_key_hi[h] = (int)(last < len - 1 ? last : len - 1);
+    }
+
+    const T* gK = static_cast<const T*>(p.k) + head_kv * p.k_head_stride;
+    const T* gV = static_cast<const T*>(p.v) + head_kv * p.v_head_stride;
+    if (!PAGED) {
+        gK += batch * p.k_batch_stride;
+        gV += batch * p.v_batch_stride;
+    }
+    const int* table_row = PAGED ? p.page_table + batch * p.max_pages : nullptr;
+    const int page_mask = (1 << p.page_shift) - 1;
+    const int ilen = (int)len;
+
+    // Stage u's copies: K and V of key tile tile_first + u (paged: pages from slot u % page_slots).
+    auto load_tile = [&](int u) {
+        const int stage = u % STAGES;
+        const int k0 = (tile_first + u) * BC;
+        if constexpr (PAGED) {
+            const int* pages = sPage + (u % L::page_slots) * L::pages_per_tile;
+            load_paged_tile_async<BC, HD, L::pitch, NT>(sK + stage * L::kv_elems, gK, p.k_batch_stride,
+                                                        p.k_row_stride, pages, k0, ilen, p.d, page_mask, tid);
+            load_paged_tile_async<BC, HD, L::pitch, NT>(sV + stage * L::kv_elems, gV, p.v_batch_stride,
+                                                        p.v_row_stride, pages, k0, ilen, p.dv, page_mask, tid);
+        } else {
+            load_tile_async<BC, HD, L::pitch, NT>(sK + stage * L::kv_elems, gK, p.k_row_stride, k0, len, p.d, tid);
+            load_tile_async<BC, HD, L::pitch, NT>(sV + stage * L::kv_elems, gV, p.v_row_stride, k0, len, p.dv, tid);
+        }
+    };
+    // The page-table entry thread tid (< pages_per_tile) fetches for tile u, or -1.
+    auto fetch_page = [&](int u) {
+        return u < n_tiles ? page_of(p, table_row, (tile_first + u) * BC + tid * kPageGroup, ilen) : -1;
+    };
+
+    const float scale_log2 = (float)p.scale_log2;
+    float acc_o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    OnlineSoftmax<2> softmax;
+    softmax.init();
+
+    if (n_tiles > 0) {
+        // -- Q: the CTA's packed rows (zero past the group's rows and past d) --
+        const T* gQ = static_cast<const T*>(p.q) + batch * p.q_batch_stride;
+        constexpr int Q_CHUNKS = HD / 8;
+        for (int i = tid; i < CTA_ROWS * Q_CHUNKS; i += NT) {
+            const int r = i / Q_CHUNKS, c = i % Q_CHUNKS, R = row0 + r;
+            const bool valid = R < rows && c * 8 < p.d;
+            const int g = R / nq, qi = R % nq;
+            const T* src = valid ? gQ + (head_kv * p.group + g) * p.q_head_stride + qi * p.q_row_stride + c * 8 : gQ;
+            cp_async_16(smem_addr(sQ + r * L::pitch + c * 8), src, valid);
+        }
+        if constexpr (PAGED) {
+            if (tid < L::pages_per_tile)
+                for (int u = 0; u < STAGES; ++u) sPage[u * L::pages_per_tile + tid] = fetch_page(u);
+            __syncthreads();
+        }
+        for (int u = 0; u < STAGES - 1; ++u) {
+            if (u < n_tiles) load_tile(u);
+            cp_async_commit();  // Q rides in group 0
+        }
+    }
+
+    const int my_col = 2 * (lane % 4);
+    for (int t = 0; t < n_tiles; ++t) {
+        // Tile t has landed, and every warp is done with tile t - 1, whose buffers are refilled.
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
+        cp_async_commit();
+        // Paged: tile t + STAGES's pages, stored after this tile's math (the load's latency
+        // hides behind it) into the slot tile t - 1 used; the next barrier publishes them.
+        int next_page = -1;
+        if (PAGED && tid < L::pages_per_tile) next_page = fetch_page(t + STAGES);
+
+        const int stage = t % STAGES;
+        const T* cK = sK + stage * L::kv_elems + warp_key * KW * L::pitch;  // this warp's keys
+        const T* cV = sV + stage * L::kv_elems + warp_key * KW * L::pitch;
+        const int kw0 = (tile_first + t) * BC + warp_key * KW;
+
+        // -- S = Q K^T over this warp's KW keys (raw scores, fp32) --
+        float acc_s[KW / 8][4];
+#pragma unroll
+        for (int n = 0; n < KW / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 a[4];
+            ldmatrix_x4(a, smem_addr(sQ + (warp_row0 + lane % 16) * L::pitch + kk * 16 + (lane / 16) * 8));
+#pragma unroll
+            for (int nn = 0; nn < KW / 16; ++nn) {
+                u32 b[4];
+                ldmatrix_x4(b, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::pitch +
+                                         kk * 16 + ((lane / 8) % 2) * 8));
+                mma_16816<T>(acc_s[2 * nn], a, b[0], b[1]);
+                mma_16816<T>(acc_s[2 * nn + 1], a, b[2], b[3]);
+            }
+        }
+
+        // -- mask: keys outside a row's band or past the end, and (paged) masked pages --
+        bool masked = kw0 < clean_first || kw0 + KW - 1 > clean_last;
+        const int* pages = sPage + (t % L::page_slots) * L::pages_per_tile + warp_key * KW / kPageGroup;
+        if constexpr (PAGED) {
+#pragma unroll
+            for (int g = 0; g < KW / kPageGroup; ++g) masked |= pages[g] < 0;
+        }
+        if (masked) {
+#pragma unroll
+            for (int n = 0; n < KW / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kl = n * 8 + my_col + (e & 1), key = kw0 + kl, h = e / 2;
+                    bool ok = key >= row_key_lo[h] && key <= row_key_hi[h];
+                    if constexpr (PAGED) ok = ok && pages[kl / kPageGroup] >= 0;
+                    if (!ok) acc_s[n][e] = neg_inf();
+                }
+        }
+
+        // -- online softmax over the warp's keys, P packed as m16k16 A fragments --
+        float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < KW / 8; ++n) {
+            tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[n][0], acc_s[n][1]));
+            tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[n][2], acc_s[n][3]));
+        }
+        float base[2], correction[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) correction[h] = softmax.advance(h, quad_max(tile_max[h]), scale_log2, base[h]);
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            acc_o[n][0] *= correction[0];
+            acc_o[n][1] *= correction[0];
+            acc_o[n][2] *= correction[1];
+            acc_o[n][3] *= correction[1];
+        }
+        u32 p_frag[KW / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < KW / 16; ++kk)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float* s = acc_s[2 * kk + half];
+                const float p0 = fast_exp2((s[0] - base[0]) * scale_log2);
+                const float p1 = fast_exp2((s[1] - base[0]) * scale_log2);
+                const float p2 = fast_exp2((s[2] - base[1]) * scale_log2);
+                const float p3 = fast_exp2((s[3] - base[1]) * scale_log2);
+                softmax.l[0] += p0 + p1;
+                softmax.l[1] += p2 + p3;
+                p_frag[kk][2 * half] = pack2<T>(p0, p1);
+                p_frag[kk][2 * half + 1] = pack2<T>(p2, p3);
+            }
+
+        // -- O += P V (V read transposed by ldmatrix.trans) --
+#pragma unroll
+        for (int kk = 0; kk < KW / 16; ++kk)
+#pragma unroll
+            for (int nd = 0; nd < HD / 16; ++nd) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, smem_addr(cV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::pitch +
+                                               nd * 16 + (lane / 16) * 8));
+                mma_16816<T>(acc_o[2 * nd], p_frag[kk], b[0], b[1]);
+                mma_16816<T>(acc_o[2 * nd + 1], p_frag[kk], b[2], b[3]);
+            }
+
+        if (PAGED && tid < L::pages_per_tile) sPage[((t + STAGES) % L::page_slots) * L::pages_per_tile + tid] = next_page;
+    }
+
+    // -- merge the key warps' states: each warp's O rescaled to its row tile's common max and
+    //    divided by the common sum, then summed through shared memory (the K/V buffers, free
+    //    now). Warp w's m and l of row r sit at [w][r]; a row tile's key warps are adjacent. --
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the K/V buffers
+    float m_warp[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float l = quad_sum(softmax.l[h]);
+        m_warp[h] = softmax.m[h];
+        if (lane % 4 == 0) {
+            sStatM[warp * kDecodeRows + lane / 4 + 8 * h] = m_warp[h];
+            sStatL[warp * kDecodeRows + lane / 4 + 8 * h] = l;
+        }
+    }
+    __syncthreads();  // the stats are out
+    // The common max and sum of row r of row warp wr over its key warps (base: the max, or 0
+    // for a row without keys, whose factors are then exp2(-inf) = 0).
+    auto row_state = [&](int wr, int r, float& base, float& m_all, float& l_all) {
+        const float* m_row = sStatM + wr * KEY_WARPS * kDecodeRows + r;
+        const float* l_row = sStatL + wr * KEY_WARPS * kDecodeRows + r;
+        m_all = neg_inf();
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) m_all = fmaxf(m_all, m_row[w * kDecodeRows]);
+        base = m_all == neg_inf() ? 0.f : m_all;
+        l_all = 0.f;
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) l_all += l_row[w * kDecodeRows] * fast_exp2((m_row[w * kDecodeRows] - base) * scale_log2);
+    };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = lane / 4 + 8 * h;
+        float base, m_all, l_all;
+        row_state(warp_row, r, base, m_all, l_all);
+        const float factor = l_all > 0.f ? fast_exp2((m_warp[h] - base) * scale_log2) / l_all : 0.f;
+        float* row = sO + (warp * kDecodeRows + r) * L::o_pitch;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+            *reinterpret_cast<float2*>(row + n * 8 + my_col) =
+                make_float2(acc_o[n][2 * h] * factor, acc_o[n][2 * h + 1] * factor);
+    }
+    __syncthreads();
+
+    // -- store: o / l in q's dtype with l, m (one split), or the split's part as float32 --
+    const bool split_out = p.num_splits > 1;
+    const i64 flat_row0 = bidx * p.rows + row0;  // (batch, Hq, nq) row of packed row row0
+    const i64 total_rows = p.num_bh * p.rows;
+    constexpr int O_CHUNKS = HD / 4;  // 4 floats a chunk
+    for (int i = tid; i < CTA_ROWS * O_CHUNKS; i += NT) {
+        const int r = i / O_CHUNKS, c = i % O_CHUNKS;
+        if (row0 + r >= rows || c * 4 >= p.dv) continue;
+        const int wr = r / kDecodeRows, rr = r % kDecodeRows;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) {
+            const float4 x = *reinterpret_cast<const float4*>(
+                sO + ((wr * KEY_WARPS + w) * kDecodeRows + rr) * L::o_pitch + 4 * c);
+            sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
+        }
+        const i64 flat_row = flat_row0 + r;
+        if (split_out) {
+            *reinterpret_cast<float4*>(p.ws_o + (split * total_rows + flat_row) * p.dv + 4 * c) = sum;
+        } else {
+            T* out = static_cast<T*>(p.o) + flat_row * p.dv + 4 * c;
+            *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w));
+        }
+        if (c == 0) {
+            float base, m_all, l_all;
+            row_state(wr, rr, base, m_all, l_all);
+            if (split_out) {
+                p.ws_l[split * total_rows + flat_row] = l_all;
+                p.ws_m[split * total_rows + flat_row] = m_all;
+            } else {
+                p.l[flat_row] = l_all;
+                p.m[flat_row] = m_all == neg_inf() ? m_all : m_all * (float)p.scale;
+            }
+        }
+    }
+}
+
+// The exact merge of the splits' (o / l, l, m) by their log-sum-exp: one warp a row. With
+// M = max_s m_s and w_s = l_s exp(scale (m_s - M)): l = sum_s w_s, o = sum_s w_s o_s / l.
+// Empty splits (l = 0, m = -inf) weigh 0; a row with no key anywhere gets o = 0, l = 0, m = -inf.
+template <typename T, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_decode_combine_kernel(const __grid_constant__ DecodeCombineParams p) {
+    const int lane = threadIdx.x % 32;
+    const i64 row = (i64)blockIdx.x * NWARPS + threadIdx.x / 32;
+    if (row >= p.total_rows) return;
+    const int splits = (int)p.num_splits;
+    const float scale_log2 = (float)p.scale_log2;
+    const i64 stride = p.total_rows;  // between splits, in rows
+
+    float m_all = neg_inf();
+    for (int s = lane; s < splits; s += 32) m_all = fmaxf(m_all, p.ws_m[s * stride + row]);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) m_all = fmaxf(m_all, __shfl_xor_sync(0xffffffffu, m_all, x));
+    const float base = m_all == neg_inf() ? 0.f : m_all;
+    auto weight = [&](int s) {
+        return s < splits ? p.ws_l[s * stride + row] * fast_exp2((p.ws_m[s * stride + row] - base) * scale_log2) : 0.f;
+    };
+    float l_all = 0.f;
+    for (int s = lane; s < splits; s += 32) l_all += weight(s);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) l_all += __shfl_xor_sync(0xffffffffu, l_all, x);
+    const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
+
+    const int dv = (int)p.dv;
+    for (int c0 = 0; c0 < dv; c0 += 4 * 32) {  // every lane runs every pass: the shuffles need all 32
+        const int c = c0 + 4 * lane;
+        const bool mine = c < dv;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s0 = 0; s0 < splits; s0 += 32) {
+            const float my_weight = weight(s0 + lane);  // lanes take turns holding the weights
+            const int count = splits - s0 < 32 ? splits - s0 : 32;
+            for (int j = 0; j < count; ++j) {
+                const float w = __shfl_sync(0xffffffffu, my_weight, j);
+                if (!mine || w == 0.f) continue;  // an empty split adds nothing: skip its read
+                const float4 x = *reinterpret_cast<const float4*>(p.ws_o + ((s0 + j) * stride + row) * dv + c);
+                acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+            }
+        }
+        if (mine) {
+            T* out = static_cast<T*>(p.o) + row * dv + c;
+            *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(acc.x * inv_l, acc.y * inv_l),
+                                                        pack2<T>(acc.z * inv_l, acc.w * inv_l));
+        }
+    }
+    if (lane == 0) {
+        p.l[row] = l_all;
+        p.m[row] = m_all == neg_inf() ? m_all : m_all * (float)p.scale;
+    }
+}
+
+}  // namespace cuflash
