@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _broadcast, _checks, _config, _plan, _views
+from . import _broadcast, _checks, _config, _decode, _plan, _views
 from ._checks import NO_WINDOW, as_block_mask  # noqa: F401  (the adapters' imports)
 from .masks import window_option
 
@@ -109,13 +109,17 @@ def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
     device = _one_device((q, k, v), "q, k and v")
     mask = as_block_mask(block_mask, block_size)
-    return _plan.forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
+    plan = _plan.forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
                               _element_strides(v), dtype, device, causal, scale, mask, window_option(window),
                               (q.data.ptr, k.data.ptr, v.data.ptr))
+    # A few queries a head against many keys: the split-KV decoding kernels stream K and V on
+    # every SM, where the forward's 128-row query tiles would occupy a handful of CTAs.
+    plan.decode = mask is None and plan.kernel is not None and _decode.supports(q, k, v)
+    return plan
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
-              window=None) -> AttentionOutput:
+              window=None, page_table=None, seqlens_k=None, num_splits=None) -> AttentionOutput:
     """Exact scaled dot-product attention, computed tile by tile (FlashAttention).
 
     Args:
@@ -156,6 +160,15 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             key j iff i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right; -1 leaves a side
             unbounded, so (-1, 0) is causal and (w, 0) causal with w keys of look-back.
             Combines with ``causal`` and ``block_mask`` (a key must pass all three).
+        page_table, seqlens_k: a KV cache for decoding. ``k``/``v`` of shape (num_pages, Hk,
+            page_size, d) (vLLM's and FlashInfer's (num_pages, page_size, Hk, d) pass as
+            ``.swapaxes(1, 2)``), ``page_table`` int32 (batch, max_pages) and ``seqlens_k`` int32
+            (batch,) on the device; ``seqlens_k`` alone gives per-sequence lengths of a dense
+            cache. Causal and window are aligned at each sequence's end. See
+            :func:`cuflash._decode.decode_attention` for the rules on out-of-range values.
+        num_splits: the split-KV decoding path's number of key splits (None: chosen from the
+            shapes and the SM count). Calls with 1-16 queries a head (16-bit, head dims up to
+            128, no block mask) take that path on their own.
 
     Returns:
         AttentionOutput(o, l, m) of CuPy arrays: o (..., Nq, dv) in q's dtype, l and m
@@ -179,10 +192,18 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         plan = _forward_calls.get(key)
     except TypeError:  # an unhashable argument
         key = plan = None
+    if page_table is not None or seqlens_k is not None or num_splits is not None:
+        if block_mask is not None:
+            raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
+                             "(the split-KV decoding path)")
+        return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
+                                        seqlens_k=seqlens_k, num_splits=num_splits)
     if plan is None:
         plan = _forward_plan(q, k, v, causal, scale, block_mask, block_size, window)
         if key is not None:
             _remember(_forward_calls, key, plan)
+    if plan.decode:
+        return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window)
     stream, current = _stream_on(plan.device_id)
     if current:
         o = cupy.empty(plan.o_shape, dtype=q.dtype)

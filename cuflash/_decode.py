@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _api, _config, _loader
+from . import _api, _checks, _config, _loader, _plan
 from .masks import window_option
 
 _DECODE_DTYPES = ("float16", "bfloat16")
@@ -87,8 +87,20 @@ class DecodePlan(NamedTuple):
 # ---- checks ---------------------------------------------------------------------------------
 
 
+def _element_strides(x, name) -> tuple:
+    strides = tuple(st // x.dtype.itemsize for st in x.strides)
+    _checks.check_last_dim_contiguous(name, x.shape, strides)
+    return strides
+
+
+def _check_vector_alignment(x, name, strides):
+    dtype = _checks.dtype_name(x.dtype)
+    if x.data.ptr & 15 or not _checks.vector_stride_ok(x.shape, strides, _checks.itemsize(dtype)):
+        raise _checks.vector_alignment_error(name, x.shape, strides, x.data.ptr, dtype)
+
+
 def _shape_text(x) -> str:
-    return f"shape {tuple(x.shape)}, dtype {_api._dtype_name(x.dtype)}"
+    return f"shape {tuple(x.shape)}, dtype {_checks.dtype_name(x.dtype)}"
 
 
 def _merged_batch(shape, strides, name) -> Tuple[int, int]:
@@ -111,7 +123,7 @@ def _check_index_array(x, name, shape, device_id):
     if isinstance(x, np.ndarray) or not hasattr(x, "data") or not hasattr(x, "device"):
         raise TypeError(f"{name} must be an int32 GPU array of shape {shape}, got {type(x).__module__}."
                         f"{type(x).__name__}")
-    if _api._dtype_name(x.dtype) != "int32":
+    if _checks.dtype_name(x.dtype) != "int32":
         raise TypeError(f"{name} must be int32, got {_shape_text(x)}")
     if tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {_shape_text(x)}")
@@ -133,7 +145,7 @@ def _check_num_splits(num_splits):
 
 def _band(causal: bool, window) -> Tuple[int, int]:
     """(window_left, window_right) with causal folded in (right clipped to 0); -1 = unbounded."""
-    left, right = window_option(window) or _api.NO_WINDOW
+    left, right = window_option(window) or _checks.NO_WINDOW
     return left, 0 if causal else right
 
 
@@ -156,7 +168,7 @@ def _plan_layout(q, k, v, page_table):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "strides"):
             raise TypeError(f"{name} must be a GPU array, got {type(x).__module__}.{type(x).__name__}")
-    dtype = _api.check_dtypes(q.dtype, k.dtype, v.dtype)
+    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
     if dtype not in _DECODE_DTYPES:
         raise TypeError(f"decoding takes float16 or bfloat16, got q {_shape_text(q)}")
     devices = {x.device.id for x in (q, k, v)}
@@ -170,7 +182,7 @@ def _plan_layout(q, k, v, page_table):
     for name, x in (("k", k), ("v", v)):
         if x.ndim < 3 or (paged and x.ndim != 4):
             raise ValueError(f"{name} must have shape {kv_rank}, got {_shape_text(x)}")
-    nq, nk, d, dv = _api.check_head_dims(q.shape, k.shape, v.shape)
+    nq, nk, d, dv = _checks.check_head_dims(q.shape, k.shape, v.shape)
     if not 1 <= nq <= _config.MAX_DECODE_QUERIES:
         raise ValueError(f"decoding takes 1 to {_config.MAX_DECODE_QUERIES} queries a head, got q {_shape_text(q)}")
     if max(d, dv) > _config.DECODE_HEAD_DIM_BUCKETS[-1]:
@@ -178,9 +190,9 @@ def _plan_layout(q, k, v, page_table):
                          f"{_shape_text(q)}, v {_shape_text(v)}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must agree in every dim but the last: k {_shape_text(k)}, v {_shape_text(v)}")
-    strides = {name: _api._element_strides(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
+    strides = {name: _element_strides(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _api._check_vector_alignment(x, name, strides[name])
+        _check_vector_alignment(x, name, strides[name])
     hq, hk = q.shape[-3], k.shape[-3]
     if hk == 0 or hq % hk:
         raise ValueError(f"the k/v heads must divide the query heads: q {_shape_text(q)}, k {_shape_text(k)}")
@@ -227,7 +239,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
     if capacity + layout["nq"] > MAX_KEY_POSITION:
         raise ValueError(f"a cache of {capacity} keys a sequence exceeds the {MAX_KEY_POSITION - layout['nq']} "
                          f"the decoding kernels count")
-    scale = _api._resolve_scale(scale, layout["d"])
+    scale = _checks.resolve_scale(scale, layout["d"])
     window_left, window_right = _band(causal, window)
     forced = _check_num_splits(num_splits)
 
@@ -338,7 +350,7 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
     with q.device:
         device_id = q.device.id
         plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                           seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_api._sm_count(device_id),
+                           seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id),
                            ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
         return run_plan(plan, q, k, v, page_table=page_table, seqlens_k=seqlens_k)
 
@@ -379,12 +391,12 @@ def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, work
         seqlens=0 if seqlens_k is None else seqlens_k.data.ptr,
     )
     params = _pack(_DECODE_PARAM_FIELDS, {**plan.fields, **pointers})
-    _api._launch(plan.variant, plan.grid_x, plan.num_bh, (params,), plan.d, plan.dv)
+    _plan.launch_cupy(plan.variant, plan.grid_x, plan.num_bh, (params,), plan.d, plan.dv)
     if plan.combine is not None:
         combine = _pack(_COMBINE_PARAM_FIELDS, dict(
             ws_o=ws_ptrs[0], ws_l=ws_ptrs[1], ws_m=ws_ptrs[2], o=o.data.ptr, l=l.data.ptr, m=m.data.ptr,
             total_rows=plan.total_rows, dv=plan.dv, num_splits=plan.num_splits,
             scale=plan.fields["scale"], scale_log2=plan.fields["scale_log2"]))
         blocks = -(-plan.total_rows // plan.combine.warps)
-        _api._launch(plan.combine, blocks, 1, (combine,), 0, 0)
+        _plan.launch_cupy(plan.combine, blocks, 1, (combine,), 0, 0)
     return _api.AttentionOutput(o, l, m)

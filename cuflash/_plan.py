@@ -126,6 +126,16 @@ def slice_grid(grid_x: int, num_batch: int):
     return grid_x, grid_y, -(-num_batch // grid_y)
 
 
+def launch_cupy(variant, grid_x: int, num_batch: int, args, d: int = 0, dv: int = 0):
+    """One launch through CuPy's kernel object on CuPy's current stream and device, over grid_x
+    tiles for every slice: for the paths that do not cache a plan (decoding)."""
+    kernel = _loader.get_kernel(variant)
+    smem = variant.smem_bytes(d, dv)
+    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(slice_grid(grid_x, num_batch), (variant.threads,), args, shared_mem=smem)
+
+
 class _Context:
     """Runs launches in a plan's device context: pushed for the call when another is current."""
 
@@ -271,6 +281,7 @@ class ForwardPlan:
         self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
         self.ctx = device_context(device_id)
         self.lock = threading.Lock()
+        self.decode = False  # the CuPy front end routes this signature to cuflash/_decode.py
 
     @property
     def variant(self):

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _broadcast, _checks, _config, _plan
+from . import _broadcast, _checks, _config, _decode, _plan, _views
 from ._api import NO_WINDOW, AttentionOutput, as_block_mask, window_option
 from .masks import BlockMask
 
@@ -78,6 +78,42 @@ def _forward_impl(q, k, v, causal, scale, mask, window):
     m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
              _raw_stream(device.index))
+    return o, l, m
+
+
+_decode_plans: dict = {}
+
+
+def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None, num_splits=None):
+    """The split-KV decoding kernels (forward only) on torch's current stream, every buffer from
+    torch's allocator and the plan cached per signature: a decode step can be captured in a
+    CUDA graph (lengths and pages are read from device memory, never by the host)."""
+    import cupy
+
+    tensors = [t for t in (q, k, v, page_table, seqlens_k) if t is not None]
+    device = _check_cuda(*tensors)
+    key = tuple((t.shape, t.stride(), t.dtype) for t in tensors) + (
+        device, page_table is None, seqlens_k is None, causal, scale, window, num_splits)
+    with cupy.cuda.Device(device.index), cupy.cuda.Stream.from_external(torch.cuda.current_stream(device)):
+        views = [None if t is None else _views.torch_view(t, same_stream=True)
+                 for t in (q, k, v, page_table, seqlens_k)]
+        plan = _decode_plans.get(key)
+        if plan is None:
+            plan = _decode.plan_decode(*views[:3], causal=causal, scale=scale, window=window, page_table=views[3],
+                                       seqlens_k=views[4], num_splits=num_splits,
+                                       sm_count=_plan.sm_count(device.index),
+                                       ctas_per_sm=lambda variant: _decode._ctas_per_sm(variant, device.index))
+            _remember(_decode_plans, key, plan)
+        o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
+        l = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)
+        m = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)
+        workspace = None
+        if plan.combine is not None:
+            rows = plan.num_splits * plan.total_rows
+            workspace = tuple(_views.torch_view(torch.empty(n, dtype=torch.float32, device=device), same_stream=True)
+                              for n in (rows * plan.dv, rows, rows))
+        _decode.run_plan(plan, *views[:3], page_table=views[3], seqlens_k=views[4], workspace=workspace,
+                         out=tuple(_views.torch_view(t, same_stream=True) for t in (o, l, m)))
     return o, l, m
 
 
@@ -249,6 +285,9 @@ def attention(
     block_size=None,
     window=None,
     return_stats: bool = False,
+    page_table=None,
+    seqlens_k=None,
+    num_splits=None,
 ):
     """Exact scaled dot-product attention (FlashAttention) on CUDA tensors, differentiable.
 
@@ -269,6 +308,9 @@ def attention(
             Under ``torch.compile`` pass a BlockMask built outside the compiled code (a
             boolean tensor is converted on the host, which a graph cannot do).
         return_stats: also return the float32 softmax statistics.
+        page_table, seqlens_k, num_splits: decoding against a KV cache (paged, or dense with
+            per-sequence lengths) on the split-KV kernels, forward only, as in
+            :func:`cuflash.attention`; capturable in a CUDA graph with fixed buffers.
 
     Returns:
         o (..., Nq, dv) in q's dtype; with ``return_stats=True`` an
@@ -282,6 +324,12 @@ def attention(
     mask = as_block_mask(block_mask, block_size)
     window = window_option(window)
     causal, scale = bool(causal), None if scale is None else float(scale)
+    if page_table is not None or seqlens_k is not None or num_splits is not None:
+        if mask is not None or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError("page_table, seqlens_k and num_splits select the split-KV decoding path, which "
+                             "has no block_mask and no backward: call it on tensors that need no grad")
+        o, l, m = _decode_impl(q, k, v, causal, scale, window, page_table, seqlens_k, num_splits)
+        return AttentionOutput(o, l, m) if return_stats else o
     if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
         # Traced (torch.compile, torch.export) or a tensor subclass: the custom operators.
         left, right = window or NO_WINDOW
