@@ -196,6 +196,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         if block_mask is not None:
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
                              "(the split-KV decoding path)")
+        page_table = None if page_table is None else as_cupy(page_table, "page_table")
+        seqlens_k = None if seqlens_k is None else as_cupy(seqlens_k, "seqlens_k")
         return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
                                         seqlens_k=seqlens_k, num_splits=num_splits)
     if plan is None:

@@ -349,10 +349,29 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
     q, k, v = _api.as_cupy(q, "q"), _api.as_cupy(k, "k"), _api.as_cupy(v, "v")
     with q.device:
         device_id = q.device.id
-        plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                           seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id),
-                           ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
+        arrays = (q, k, v, page_table, seqlens_k)
+        try:
+            key = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
+                causal, scale, window, num_splits)
+            plan = _plans.get(key)
+        except (TypeError, AttributeError):  # unhashable or not arrays: the checks say what is wrong
+            key = plan = None
+        if plan is not None and (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
+            plan = None  # plan_decode raises the alignment error
+        if plan is None:
+            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
+                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id),
+                               ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
+            if key is not None:
+                if len(_plans) >= _plan._MAX_PLANS:
+                    _plans.pop(next(iter(_plans)))
+                _plans[key] = plan
         return run_plan(plan, q, k, v, page_table=page_table, seqlens_k=seqlens_k)
+
+
+# (shapes, strides, dtypes, devices of q, k, v, page_table, seqlens_k; options) -> DecodePlan:
+# the host checks and choices run once per signature.
+_plans: dict = {}
 
 
 def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,
