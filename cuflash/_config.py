@@ -141,9 +141,6 @@ class HopperForward(_Launch):
     # overlap this one's epilogue
     causal: bool
     sparse: bool = False
-    exp_emulation: int = 0  # > 0: every n-th accumulator tile's exponentials on the FMA pipe
-    early_next: bool = False  # persistent TMA forms: the next item's K and Q load before this one ends
-    snake: bool = False  # persistent forms: every other round of items walked backwards (causal balance)
 
     source = "flash_fwd_sm90.cu"
     block_rows = 128
@@ -166,25 +163,11 @@ class HopperForward(_Launch):
         return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
 
     @property
-    def loads_early(self) -> bool:
-        """Whether early_next takes effect: only the persistent TMA forms have a next item to
-        load early (the dispatcher's fallbacks to cp.async or one item a CTA drop it)."""
-        return self.early_next and self.persistent and self.tma
-
-    @property
-    def walks_snake(self) -> bool:
-        """Whether snake takes effect: only a persistent grid has rounds of items."""
-        return self.snake and self.persistent
-
-    @property
     def name_expression(self) -> str:
-        # The two probe switches are trailing template arguments with defaults: left out when
-        # off, so that the dispatcher's forms keep their names (and code).
-        extra = (f", {_flag(self.loads_early)}, true" if self.walks_snake else ", true" if self.loads_early else "")
         return (
             f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
             f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}{extra}>"
+            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
         )
 
     @property
@@ -193,15 +176,14 @@ class HopperForward(_Launch):
             f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
             f"_p{int(self.pingpong)}_t{int(self.tma)}_r{int(self.persistent)}"
             f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-            + (f"_e{self.exp_emulation}" if self.exp_emulation else "")
-            + ("_n1" if self.loads_early else "")
-            + ("_z1" if self.walks_snake else "")
         )
 
 
-# (block_cols, stages, overlap, pingpong, tma, persistent) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
-# fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
-# a thread they take from the producer. Overlap (S of t + 1 issued before P V of t, softmax of
+# (block_cols, stages, overlap, pingpong, persistent) of the wgmma forward per head dim. Its
+# consumers hold S (64 x block_cols fp32, exponentiated in place), P (16-bit, the tile in P V)
+# and O (64 x head_dim fp32) in the 240 registers a thread they take from the producer. Every
+# form loads through TMA; the launch falls back to cp.async where the copy engine cannot map
+# the inputs, and to one item a CTA where the persistent grid's 32-bit item count would not do. Overlap (S of t + 1 issued before P V of t, softmax of
 # t + 1 while P V of t runs) with ping-pong is the fastest at hdim 64 (331 against 324 TFLOP/s
 # at seq 4096, 435 against 408 at 16k); at hdim 128 neither helps (506 against 507 at 4096, 591
 # against 564 at 16k), bench/NOTES.md.
@@ -218,63 +200,16 @@ class HopperForward(_Launch):
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
 # TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78. Never
 # persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
-_SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8),
-                       256: (64, 2, False, True, True, False)}
+_SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, False, False, 8), 256: (64, 2, False, True, False)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
-# Per head dim: 0, or n > 0 to compute the exponentials of every n-th 8-key accumulator tile
-# with poly_exp2 (kernels/common.cuh) on the FMA pipe instead of the SFU. Measured at 8cbec78
-# (bench/NOTES.md): slower at every n tried (2, 3, 4) at head dims 64 and 128, by 3-13%: the
-# SFU is not what binds these kernels. Kept off.
-_SM90_EXP_EMULATION = {64: 0, 128: 0, 256: 0}
-
-
-def sm90_exp_emulation_override(by_head_dim):
-    """Temporarily replace _SM90_EXP_EMULATION entries {head_dim: n} (tuning runs)."""
-    return _table_override(_SM90_EXP_EMULATION, by_head_dim)
-
-
-# Per head dim: whether the persistent forms start the next item's loads early (early_next,
-# kernels/flash_fwd_sm90.cu's EARLY_NEXT). Written without a GPU (session 6), so off until a
-# probe measures it: predicted to matter where items are short (seq 512-1024, 4-8 key tiles
-# an item, where the ring running dry at each item boundary costs a Q and a K load's latency,
-# ~1-2 us, of an 8-16 us item), and to be what the persistent grid lacked from seq 4096 on.
-_SM90_EARLY_NEXT = {64: False, 128: False, 256: False}
-
-
-def sm90_early_next_override(by_head_dim):
-    """Temporarily replace _SM90_EARLY_NEXT entries {head_dim: bool} (tuning runs, tests)."""
-    return _table_override(_SM90_EARLY_NEXT, by_head_dim)
-
-
-# Per head dim: whether the persistent forms walk every other round of items backwards
-# (snake, kernels/flash_fwd_sm90.cu's SNAKE). Also written without a GPU, so off. Counted on
-# the host for hd128 causal at seq 4096 (2048 items on 132 CTAs): in plain rounds CTA 0 takes
-# 272 key tiles and the last 240 (mean 256), so the grid runs 6% past balance; in snake order
-# every CTA takes 256 (16k: 1064 / 939 against 1003 / 1000). The causal persistent grid is
-# where the static order lost most (447 against 528 TFLOP/s at 16k).
-_SM90_SNAKE = {64: False, 128: False, 256: False}
-
-
-def sm90_snake_override(by_head_dim):
-    """Temporarily replace _SM90_SNAKE entries {head_dim: bool} (tuning runs, tests)."""
-    return _table_override(_SM90_SNAKE, by_head_dim)
-
-
-def sm90_tiles_override(tiles_by_head_dim):
-    """Temporarily replace _SM90_FORWARD_TILES entries
-    {head_dim: (block_cols, stages, overlap, pingpong, tma, persistent)}."""
-    return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)
-
-
 @contextlib.contextmanager
-def _switched(switch: list, enabled):
-    """Temporarily set a module switch (a one-element list; None where the switch has a
-    per-head-dim default)."""
+def _switched(switch: list, enabled: bool):
+    """Temporarily set a module switch (a one-element list)."""
     saved = switch[0]
-    switch[0] = None if enabled is None else bool(enabled)
+    switch[0] = bool(enabled)
     try:
         yield
     finally:
@@ -315,10 +250,7 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
         *schedule, persistent = _SM90_FORWARD_TILES[d]
         if not isinstance(persistent, bool):
             persistent = nq is not None and -(-nq // HopperForward.block_rows) <= persistent
-        return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse),
-                             exp_emulation=_SM90_EXP_EMULATION.get(d, 0),
-                             early_next=bool(persistent and _SM90_EARLY_NEXT.get(d, False)),
-                             snake=bool(persistent and _SM90_SNAKE.get(d, False)))
+        return HopperForward(dtype, d, *schedule, True, persistent, bool(causal), sparse=bool(sparse))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.
@@ -650,18 +582,6 @@ class HopperBackward(_Launch):
 # 8cbec78): +7-11% at head dim 128; -4-8% at 64, where each warpgroup adds its own tile and the
 # copy engine's two reductions a tile cost more than the atomics they replace.
 _SM90_BULK_DQ = {64: False, 128: True}
-# The switch sm90_bulk_dq() flips: None follows _SM90_BULK_DQ, True / False force it.
-_sm90_bulk_dq = [None]
-
-
-def sm90_bulk_dq(enabled: typing.Optional[bool]):
-    """Add the wgmma backward's atomic dQ by bulk reductions (True), by vector atomics (False)
-    or as _SM90_BULK_DQ says for the head dim (None, the default)."""
-    return _switched(_sm90_bulk_dq, enabled)
-
-
-def _bulk_dq(d: int) -> bool:
-    return _SM90_BULK_DQ.get(d, False) if _sm90_bulk_dq[0] is None else bool(_sm90_bulk_dq[0])
 
 
 # The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=0 in the environment starts with it off.
@@ -692,7 +612,7 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     if wgmma and on and dtype in _TYPE_TAG and d == dv and d in (64, 128):
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *_TC_BACKWARD_DQ_TILES[d], causal, sparse)
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  bulk_dq=_bulk_dq(d) and not deterministic)
+                                  bulk_dq=_SM90_BULK_DQ[d] and not deterministic)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)

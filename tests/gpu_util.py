@@ -1,5 +1,7 @@
 """Helpers for GPU tests: random inputs in each dtype, and the flash-attention error rule."""
 
+import contextlib
+
 import numpy as np
 
 from cuflash import reference as ref
@@ -86,3 +88,36 @@ def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype, mask=None):
             assert err <= bound, f"{name}: max error {err:.3g} > 3 x plain {dtype} error ({bound:.3g})"
         errors.append(err)
     return errors
+
+
+@contextlib.contextmanager
+def launched_variants():
+    """Records the variant of every kernel launched inside the block, in launch order."""
+    from cuflash import _loader
+
+    launched = []
+    get_kernel = _loader.get_kernel
+
+    def recording(variant, device=None):
+        launched.append(variant)
+        return get_kernel(variant, device)
+
+    _loader.get_kernel = recording
+    try:
+        yield launched
+    finally:
+        _loader.get_kernel = get_kernel
+
+
+@contextlib.contextmanager
+def tma_refused():
+    """Inside the block the copy engine 'cannot map' any input, as for inputs it really cannot
+    take: the wgmma forward's launch falls back to its cp.async form."""
+    from cuflash import _tma
+
+    forward_maps = _tma.forward_maps
+    _tma.forward_maps = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _tma.forward_maps = forward_maps
