@@ -1,9 +1,11 @@
 """Tile sizes and kernel variants: the one place where they are chosen.
 
-The kernels take every size as a template argument, so a number chosen here is never written
-again in CUDA. The shared-memory budget of each variant is computed here from the same layout
-the kernel uses (``FwdSmemLayout`` in kernels/flash_fwd.cu), and the kernel traps if a launch
-ever gives it less than it needs, so the two cannot drift silently.
+The kernels take every size as a template argument, and the numbers fixed for all of them
+(padding, limits, flag bits, the Hopper kernels' CTA shapes) as defines from
+:func:`kernel_defines`, so a number chosen here is never written again in CUDA. The shared
+memory of each 16-bit variant is computed here and passed as its last template argument; the
+kernel's own layout (``FwdSmemLayout`` in kernels/flash_fwd.cu, ...) must come to the same size
+(a static_assert, so a drift fails the build) and the kernel traps if a launch gives it less.
 
 Tile sizes follow the paper's line 1 (blocks sized to the on-chip memory) refined by the
 register budget of the mma.sync layout: each warp owns 16 query rows and keeps its slice of O
@@ -23,25 +25,64 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8  # one 16-byte vector of a 16-bit type
 # Head dims are rounded up to one of these buckets; padded columns are zero-filled on load.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-SMEM_PAD = 8  # elements of padding per shared-memory row (kSmemPad in flash_fwd.cu)
+
+# The numbers below are shared with the kernels, which get them from kernel_defines() as -D
+# defines (so they are written only here; changing one changes the compile options, and with
+# them CuPy's disk-cache key).
+SMEM_PAD = 8  # elements of padding per shared-memory row of the mma.sync kernels (kSmemPad)
+MAX_LEAD_DIMS = 4  # leading (batch) dims a launch takes once those that can be merged are (kMaxLead)
+PARTIAL_TILE = 1 << 30  # flag bit of a tile-list entry whose tile needs the element mask (kPartialTile)
+# The backward's per-row statistics (lse2, D) are padded to a multiple of this many rows; the
+# kernels check that their query tiles divide it (kStatsRowMultiple).
+STATS_ROW_MULTIPLE = 128
 
 _TYPE_TAG = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
-_SPARSE_TAG = {False: "", True: "_sparse"}
 
 
-def _flag(value: bool) -> str:
-    """A bool as a C++ template argument."""
-    return "true" if value else "false"
+_TAG_WITH_FLOAT = dict(_TYPE_TAG, float32="float")
+
+
+def _instance(kernel: str, *args) -> str:
+    """The name expression of an instance of a kernel template: a dtype as its C++ type, a bool
+    as true / false, a number as it is."""
+    def argument(value):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return _TAG_WITH_FLOAT[value] if isinstance(value, str) else str(value)
+
+    return f"cuflash::{kernel}<{', '.join(map(argument, args))}>"
+
+
+# Words and prefixes of variant keys: the dtype's short name, and a short prefix for each
+# numeric field (a true bool field reads as its name, a false one is left out).
+_DTYPE_WORD = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_KEY_PREFIX = {"head_dim": "d", "head_dim_v": "dv", "block_rows": "br", "block_cols": "bc", "warps": "w",
+               "min_blocks": "mb", "qk_unroll": "u", "stages": "s", "value_tiles": "dvt", "rows_per_warp": "rpw",
+               "dim_tiles": "dt", "keys_per_warp": "kpw", "warps_s_rows": "ws", "warps_kv_rows": "wkv",
+               "warps_dq_rows": "wdq", "k_unroll_s": "us", "k_unroll_o": "uo"}
 
 
 class _Launch:
-    """What every kernel variant shares: a CTA of ``warps`` warps."""
+    """What every kernel variant shares: a CTA of ``warps`` warps, and a key built from its
+    fields, e.g. ``fwd_sm90_bf16_d128_bc128_s3_tma_persistent_causal``."""
 
     warps: int
+    key_prefix: str  # what kind of kernel: fwd, fwd_sm90, bwd_dq, ...
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def key(self) -> str:
+        numbers, words = [], []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool):
+                words += [field.name] if value else []
+            elif field.name != "dtype":
+                numbers.append(f"{_KEY_PREFIX[field.name]}{value}")
+        return "_".join([self.key_prefix, _DTYPE_WORD[self.dtype], *numbers, *words])
 
 
 def head_dim_bucket(dim: int) -> int:
@@ -67,6 +108,7 @@ class TensorCoreForward(_Launch):
     sparse: bool = False  # walks block-sparse tile lists (FwdParams::tile_lists)
 
     source = "flash_fwd.cu"
+    key_prefix = "fwd"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         q_pitch = max(self.head_dim, self.head_dim_v) + SMEM_PAD
@@ -77,18 +119,9 @@ class TensorCoreForward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_fwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, "
-            f"{self.head_dim_v}, {self.block_rows}, {self.block_cols}, {self.warps}, "
-            f"{self.min_blocks}, {_flag(self.causal)}, {self.qk_unroll}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"fwd_{self.dtype}_u{self.qk_unroll}_hd{self.head_dim}_hdv{self.head_dim_v}_br{self.block_rows}"
-            f"_bc{self.block_cols}_w{self.warps}_mb{self.min_blocks}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_fwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.qk_unroll, self.sparse,
+                         self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +135,7 @@ class Float32Forward(_Launch):
     sparse: bool = False
 
     source = "flash_fwd_f32.cu"
+    key_prefix = "fwd"
     dtype = "float32"
     block_cols = 32  # one key per lane
 
@@ -115,14 +149,8 @@ class Float32Forward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_fwd_f32_kernel<{self.value_tiles}, {self.warps}, "
-            f"{self.rows_per_warp}, {_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return f"fwd_float32_dvt{self.value_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        return _instance("flash_fwd_f32_kernel", self.value_tiles, self.warps, self.rows_per_warp, self.causal,
+                         self.sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +171,7 @@ class HopperForward(_Launch):
     sparse: bool = False
 
     source = "flash_fwd_sm90.cu"
+    key_prefix = "fwd_sm90"
     block_rows = 128
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
@@ -164,19 +193,9 @@ class HopperForward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
-            f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
-            f"_p{int(self.pingpong)}_t{int(self.tma)}_r{int(self.persistent)}"
-            f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_fwd_sm90_kernel", self.dtype, self.head_dim, self.block_cols, self.stages,
+                         self.overlap, self.pingpong, self.tma, self.persistent, self.causal, self.sparse,
+                         self.smem_bytes())
 
 
 # (block_cols, stages, overlap, pingpong, persistent) of the wgmma forward per head dim. Its
@@ -309,8 +328,6 @@ def forward_tiles_override(tiles_by_bucket):
 
 # ---- backward -----------------------------------------------------------------------------
 
-_TAG_WITH_FLOAT = dict(_TYPE_TAG, float32="float")
-STATS_ROW_MULTIPLE = 128  # lse2 / D rows are padded to this; every query tile divides it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,17 +338,14 @@ class BackwardPreprocess(_Launch):
     warps: int = 8  # one row per warp
 
     source = "flash_bwd.cu"
+    key_prefix = "bwd_pre"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         return 0
 
     @property
     def name_expression(self) -> str:
-        return f"cuflash::flash_bwd_preprocess<{_TAG_WITH_FLOAT[self.dtype]}, {self.warps}>"
-
-    @property
-    def key(self) -> str:
-        return f"bwd_pre_{self.dtype}_w{self.warps}"
+        return _instance("flash_bwd_preprocess", self.dtype, self.warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +376,7 @@ class TensorCoreBackward(_Launch):
     sparse: bool = False
 
     source = "flash_bwd.cu"
+    key_prefix = "bwd"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
@@ -371,22 +386,10 @@ class TensorCoreBackward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        flags = ", ".join(_flag(f) for f in (self.causal, self.do_dk, self.do_dv, self.atomic_dq))
-        return (
-            f"cuflash::flash_bwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
-            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, {flags}, "
-            f"{self.warps_s_rows}, {self.warps_kv_rows}, {self.warps_dq_rows}, {self.k_unroll_s}, {self.k_unroll_o}, "
-            f"{_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        parts = [n for n, f in (("dk", self.do_dk), ("dv", self.do_dv), ("atomic_dq", self.atomic_dq)) if f]
-        return (
-            f"bwd_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
-            f"_l{self.warps_s_rows}{self.warps_kv_rows}{self.warps_dq_rows}_u{self.k_unroll_s}{self.k_unroll_o}"
-            f"_{'_'.join(parts)}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
+                         self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows,
+                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +407,7 @@ class TensorCoreBackwardDq(_Launch):
     sparse: bool = False
 
     source = "flash_bwd.cu"
+    key_prefix = "bwd_dq"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
@@ -412,18 +416,8 @@ class TensorCoreBackwardDq(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_dq_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
-            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, "
-            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"bwd_dq_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}"
-            f"_w{self.warps}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_bwd_dq_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +431,7 @@ class Float32BackwardDkDv(_Launch):
     sparse: bool = False
 
     source = "flash_bwd_f32.cu"
+    key_prefix = "bwd_dkdv"
     dtype = "float32"
     block_rows = 32  # queries per tile walked: one per lane
 
@@ -450,14 +445,8 @@ class Float32BackwardDkDv(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_dkdv_f32_kernel<{self.dim_tiles}, {self.dim_tiles}, {self.warps}, "
-            f"{self.keys_per_warp}, {_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return f"bwd_dkdv_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        return _instance("flash_bwd_dkdv_f32_kernel", self.dim_tiles, self.dim_tiles, self.warps,
+                         self.keys_per_warp, self.causal, self.sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,6 +460,7 @@ class Float32BackwardDq(_Launch):
     sparse: bool = False
 
     source = "flash_bwd_f32.cu"
+    key_prefix = "bwd_dq"
     dtype = "float32"
     block_cols = 32  # keys per tile walked: one per lane
 
@@ -484,14 +474,8 @@ class Float32BackwardDq(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_dq_f32_kernel<{self.dim_tiles}, {self.warps}, {self.rows_per_warp}, "
-            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return f"bwd_dq_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        return _instance("flash_bwd_dq_f32_kernel", self.dim_tiles, self.warps, self.rows_per_warp, self.causal,
+                         self.sparse)
 
 
 # (query rows per tile, keys per CTA, warps, min_blocks, warps along S's queries, along dK/dV's
@@ -544,6 +528,7 @@ class HopperBackward(_Launch):
     bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
 
     source = "flash_bwd_sm90.cu"
+    key_prefix = "bwd_sm90"
     block_rows = 64
     block_cols = 128
     warps = 12
@@ -564,17 +549,8 @@ class HopperBackward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.stages}, "
-            f"{_flag(self.atomic_dq)}, {_flag(self.causal)}, {_flag(self.sparse)}, {_flag(self.bulk_dq)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"bwd_sm90_{self.dtype}_hd{self.head_dim}_s{self.stages}{'_atomic_dq' if self.atomic_dq else ''}"
-            f"{'_bulk' if self.bulk_dq else ''}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
+                         self.causal, self.sparse, self.bulk_dq, self.smem_bytes())
 
 
 # Per head dim: the wgmma backward's atomic dQ added tile by tile by one bulk reduction on the
@@ -639,11 +615,6 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     else:
         passes = (key_pass(False, True, atomic), key_pass(True, False, False))
     dq = None if atomic else TensorCoreBackwardDq(dtype, hd, hd, *_TC_BACKWARD_DQ_TILES[hd], causal, sparse)
-    # The kernels read whole tiles of the per-row statistics, padded to STATS_ROW_MULTIPLE rows.
-    for kernel in (*passes, dq):
-        if kernel is not None and STATS_ROW_MULTIPLE % kernel.block_rows:
-            raise AssertionError(f"{kernel.key}: {kernel.block_rows} query rows do not divide "
-                                 f"STATS_ROW_MULTIPLE = {STATS_ROW_MULTIPLE}")
     return BackwardPlan(pre, passes, dq, atomic)
 
 
@@ -703,3 +674,22 @@ def has_wgmma(arch: str) -> bool:
 def is_hopper(arch: str) -> bool:
     """'sm_90a' / '90' (compute capability) -> True; 'sm_80' / '86' -> False."""
     return _capability(arch) >= 90
+
+
+def kernel_defines() -> dict:
+    """{macro: value} of the numbers the kernels take from this module (kernels/common.cuh,
+    tile_io.cuh, sm90.cuh, flash_fwd_sm90.cu, flash_bwd_sm90.cu), passed by
+    _loader.base_options()."""
+    from . import _tma  # the tensor maps' parameter block (numpy, ctypes): only when building
+    return {
+        "CUFLASH_SMEM_PAD": SMEM_PAD,
+        "CUFLASH_MAX_LEAD": MAX_LEAD_DIMS,
+        "CUFLASH_PARTIAL_TILE": PARTIAL_TILE,
+        "CUFLASH_STATS_ROW_MULTIPLE": STATS_ROW_MULTIPLE,
+        "CUFLASH_SM90_FWD_ROWS": HopperForward.block_rows,
+        "CUFLASH_SM90_FWD_WARPS": HopperForward.warps,
+        "CUFLASH_SM90_BWD_ROWS": HopperBackward.block_rows,
+        "CUFLASH_SM90_BWD_KEYS": HopperBackward.block_cols,
+        "CUFLASH_SM90_BWD_WARPS": HopperBackward.warps,
+        "CUFLASH_SM90_MAPS_BYTES": _tma.PARAM_BYTES,
+    }

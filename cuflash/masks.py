@@ -47,6 +47,8 @@ from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from ._config import PARTIAL_TILE
+
 __all__ = [
     "BlockMask",
     "TileLists",
@@ -166,10 +168,9 @@ def _read_only(x: np.ndarray) -> np.ndarray:
 # Per-tile lists for the kernels
 # --------------------------------------------------------------------------
 
-# Flag bit of a tile-list entry whose tile straddles present and absent blocks: the kernel must
-# then look the block of every element up.  Must equal kPartialTile in kernels/common.cuh
-# (tests/test_masks.py reads the header to check).
-PARTIAL_TILE = 1 << 30
+# PARTIAL_TILE (from _config, which passes it to the kernels as kPartialTile) flags a tile-list
+# entry whose tile straddles present and absent blocks: the kernel must then look the block of
+# every element up.
 
 
 class TileLists(NamedTuple):

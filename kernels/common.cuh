@@ -14,7 +14,9 @@ typedef long long i64;
 struct bf16 { u16 bits; };
 struct fp16 { u16 bits; };
 
-constexpr int kMaxLead = 4;  // leading (batch) dims after Python has merged what it can
+// The numbers the kernels share with Python are chosen in cuflash/_config.py and arrive as
+// -D defines (kernel_defines() there, _loader.base_options()); each is named here once.
+constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python has merged what it can
 
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
 // without caring about padding rules; cuflash/_api.py owns the field order (FWD_PARAM_FIELDS).
@@ -52,7 +54,11 @@ struct FwdParams {
     i64 mask_lead_stride[kMaxLead];  // mask-batch strides over the output's leading dims, 0 = broadcast
 };
 
-constexpr int kPartialTile = 1 << 30;  // flag bit of a tile_lists entry
+constexpr int kPartialTile = CUFLASH_PARTIAL_TILE;  // flag bit of a tile_lists entry
+static_assert(kPartialTile > 0 && (kPartialTile & (kPartialTile - 1)) == 0, "the partial-tile flag is one bit");
+// Rows of the backward's per-row statistics (BwdParams::lse2, delta) are padded to a multiple
+// of this, so that a kernel reading them a whole query tile at a time needs its tile to divide it.
+constexpr int kStatsRowMultiple = CUFLASH_STATS_ROW_MULTIPLE;
 
 // Extra tensors of the backward pass. Their leading dims are the output's (FwdParams::lead_shape).
 struct BwdParams {

@@ -24,8 +24,10 @@
 
 namespace cuflash {
 
-constexpr int kSm90Rows = 128;        // query rows per CTA: two consumer warpgroups of 64
-constexpr int kSm90Threads = 3 * 128;  // producer + two consumers
+constexpr int kSm90Rows = CUFLASH_SM90_FWD_ROWS;        // query rows per CTA (HopperForward.block_rows)
+constexpr int kSm90Threads = 32 * CUFLASH_SM90_FWD_WARPS;  // HopperForward.threads
+static_assert(kSm90Rows == 2 * 64 && kSm90Threads == 3 * 128,
+              "a producer warpgroup and two consumer warpgroups of 64 query rows (wgmma's M)");
 // Consumers release buffers once a warp (lane 0): they read K, V and Q only through wgmma,
 // whose reads are complete for the whole warpgroup once wait_group has returned, so 8
 // arrivals stand for 256 (each an atomic on shared memory, twice a tile).
@@ -359,7 +361,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
 }
 
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE>
+          bool SPARSE, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -368,8 +370,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // At 256, O alone is 128 of a consumer's 232 registers, and Q plus one stage of K and V
     // 128 KB of shared memory.
     static_assert(HD != 256 || (BC == 64 && STAGES == 2), "head dim 256: 64-key tiles, 2 stages");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperForward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base + L::q_offset, sK = base + L::k_offset, sV = base + L::v_offset;
     const Sm90Barriers<STAGES> bar{base + L::barrier_offset};

@@ -67,6 +67,29 @@ def test_compile_error_is_reported():
         compile_check.check(["sm_80"], [_BrokenVariant()])
 
 
+def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
+    """A shared-memory size that is not the kernel's layout, and a padding the kernel was not
+    written for, stop the build (static_assert) instead of reaching a GPU."""
+    import dataclasses
+
+    variant = _config.forward_config("bfloat16", 64, 64, False)
+    assert compile_check.check(["sm_80"], [variant], jobs=1)
+    wrong_size = _BrokenVariant()
+    wrong_size.name_expression = variant.name_expression.replace(f"{variant.smem_bytes()}>", f"{variant.smem_bytes() + 16}>")
+    assert wrong_size.name_expression != variant.name_expression
+    with pytest.raises(RuntimeError, match="TensorCoreForward.smem_bytes"):
+        _loader.compile_offline(variant.source, [wrong_size.name_expression], "sm_80")
+    monkeypatch.setattr(_config, "SMEM_PAD", 16)
+    padded = dataclasses.replace(variant)  # smem_bytes follows the new padding: only the pad is wrong
+    with pytest.raises(RuntimeError, match="one 16-byte chunk of padding"):
+        _loader.compile_offline(padded.source, [padded.name_expression], "sm_80")
+    monkeypatch.undo()
+    hopper = _config.forward_config("bfloat16", 128, 128, False, wgmma=True)
+    monkeypatch.setattr(_config.HopperForward, "block_rows", 192)
+    with pytest.raises(RuntimeError, match="two consumer warpgroups"):
+        _loader.compile_offline(hopper.source, [hopper.name_expression], "sm_90a")
+
+
 class _BrokenVariant:
     source = "flash_fwd.cu"
     key = "broken"
