@@ -172,7 +172,7 @@ class HopperForward(_Launch):
 
     source = "flash_fwd_sm90.cu"
     key_prefix = "fwd_sm90"
-    block_rows = 128
+    block_rows = 128  # both, like HopperBackward's, reach the kernel through kernel_defines()
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
     # bytes); the persistent head-dim-128 forms still spill up to 64 bytes. At 256, where O is
