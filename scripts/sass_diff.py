@@ -14,9 +14,11 @@ sources of float adds and multiplies in sorted order.
 
 Identical machine code is proof; code that differs needs the GPU tests, even where only the
 register allocation moved (seen here: a loop folded into a helper reallocated the forward's
-accumulators). The base is built twice, because ptxas is not deterministic for every variant
-(seen here: some of flash_bwd_kernel's, two builds of one source in one process, a few
-registers apart); such a variant is reported 'unstable', with no verdict.
+accumulators). The base is built twice, because the build is not deterministic for every
+variant: some of flash_bwd_kernel's come out a few registers apart from two builds of one
+source in one process, and already their PTX differs (795-1869 lines of it, with NVRTC's
+per-build internal-name hash set aside); such a variant is reported 'unstable', with no
+verdict, and one whose two base builds happened to agree can still show as 'differs'.
 
 The variants compared are the dispatcher's, HEAD's ``cuflash._config``, each built from its own
 side's name expression and compile options (``_loader.base_options()``, the defines Python
