@@ -1,9 +1,11 @@
 """Tile sizes and kernel variants: the one place where they are chosen.
 
-The kernels take every size as a template argument, so a number chosen here is never written
-again in CUDA. The shared-memory budget of each variant is computed here from the same layout
-the kernel uses (``FwdSmemLayout`` in kernels/flash_fwd.cu), and the kernel traps if a launch
-ever gives it less than it needs, so the two cannot drift silently.
+The kernels take every size as a template argument, and the numbers fixed for all of them
+(padding, limits, flag bits, the Hopper kernels' CTA shapes) as defines from
+:func:`kernel_defines`, so a number chosen here is never written again in CUDA. The shared
+memory of each 16-bit variant is computed here and passed as its last template argument; the
+kernel's own layout (``FwdSmemLayout`` in kernels/flash_fwd.cu, ...) must come to the same size
+(a static_assert, so a drift fails the build) and the kernel traps if a launch gives it less.
 
 Tile sizes follow the paper's line 1 (blocks sized to the on-chip memory) refined by the
 register budget of the mma.sync layout: each warp owns 16 query rows and keeps its slice of O
@@ -21,28 +23,66 @@ import typing
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8  # one 16-byte vector of a 16-bit type
-MAX_LEAD_DIMS = 4  # leading (batch) dims a launch takes after merging (kMaxLead in kernels/common.cuh)
 # Head dims are rounded up to one of these buckets; padded columns are zero-filled on load.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-SMEM_PAD = 8  # elements of padding per shared-memory row (kSmemPad in flash_fwd.cu)
+
+# The numbers below are shared with the kernels, which get them from kernel_defines() as -D
+# defines (so they are written only here; changing one changes the compile options, and with
+# them CuPy's disk-cache key).
+SMEM_PAD = 8  # elements of padding per shared-memory row of the mma.sync kernels (kSmemPad)
+MAX_LEAD_DIMS = 4  # leading (batch) dims a launch takes once those that can be merged are (kMaxLead)
+PARTIAL_TILE = 1 << 30  # flag bit of a tile-list entry whose tile needs the element mask (kPartialTile)
+# The backward's per-row statistics (lse2, D) are padded to a multiple of this many rows; the
+# kernels check that their query tiles divide it (kStatsRowMultiple).
+STATS_ROW_MULTIPLE = 128
 
 _TYPE_TAG = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16"}
-_SPARSE_TAG = {False: "", True: "_sparse"}
 
 
-def _flag(value: bool) -> str:
-    """A bool as a C++ template argument."""
-    return "true" if value else "false"
+_TAG_WITH_FLOAT = dict(_TYPE_TAG, float32="float")
+
+
+def _instance(kernel: str, *args) -> str:
+    """The name expression of an instance of a kernel template: a dtype as its C++ type, a bool
+    as true / false, a number as it is."""
+    def argument(value):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return _TAG_WITH_FLOAT[value] if isinstance(value, str) else str(value)
+
+    return f"cuflash::{kernel}<{', '.join(map(argument, args))}>"
+
+
+# Words and prefixes of variant keys: the dtype's short name, and a short prefix for each
+# numeric field (a true bool field reads as its name, a false one is left out).
+_DTYPE_WORD = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_KEY_PREFIX = {"head_dim": "d", "head_dim_v": "dv", "block_rows": "br", "block_cols": "bc", "warps": "w",
+               "min_blocks": "mb", "qk_unroll": "u", "stages": "s", "value_tiles": "dvt", "rows_per_warp": "rpw",
+               "dim_tiles": "dt", "keys_per_warp": "kpw", "warps_s_rows": "ws", "warps_kv_rows": "wkv",
+               "warps_dq_rows": "wdq", "k_unroll_s": "us", "k_unroll_o": "uo", "row_warps": "rw"}
 
 
 class _Launch:
-    """What every kernel variant shares: a CTA of ``warps`` warps."""
+    """What every kernel variant shares: a CTA of ``warps`` warps, and a key built from its
+    fields, e.g. ``fwd_sm90_bf16_d128_bc128_s3_tma_persistent_causal``."""
 
     warps: int
+    key_prefix: str  # what kind of kernel: fwd, fwd_sm90, bwd_dq, ...
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def key(self) -> str:
+        numbers, words = [], []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool):
+                words += [field.name] if value else []
+            elif field.name != "dtype":
+                numbers.append(f"{_KEY_PREFIX[field.name]}{value}")
+        return "_".join([self.key_prefix, _DTYPE_WORD[self.dtype], *numbers, *words])
 
 
 def head_dim_bucket(dim: int) -> int:
@@ -68,6 +108,7 @@ class TensorCoreForward(_Launch):
     sparse: bool = False  # walks block-sparse tile lists (FwdParams::tile_lists)
 
     source = "flash_fwd.cu"
+    key_prefix = "fwd"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         q_pitch = max(self.head_dim, self.head_dim_v) + SMEM_PAD
@@ -78,18 +119,9 @@ class TensorCoreForward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_fwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, "
-            f"{self.head_dim_v}, {self.block_rows}, {self.block_cols}, {self.warps}, "
-            f"{self.min_blocks}, {_flag(self.causal)}, {self.qk_unroll}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"fwd_{self.dtype}_u{self.qk_unroll}_hd{self.head_dim}_hdv{self.head_dim_v}_br{self.block_rows}"
-            f"_bc{self.block_cols}_w{self.warps}_mb{self.min_blocks}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_fwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.qk_unroll, self.sparse,
+                         self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +135,7 @@ class Float32Forward(_Launch):
     sparse: bool = False
 
     source = "flash_fwd_f32.cu"
+    key_prefix = "fwd"
     dtype = "float32"
     block_cols = 32  # one key per lane
 
@@ -116,14 +149,8 @@ class Float32Forward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_fwd_f32_kernel<{self.value_tiles}, {self.warps}, "
-            f"{self.rows_per_warp}, {_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return f"fwd_float32_dvt{self.value_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        return _instance("flash_fwd_f32_kernel", self.value_tiles, self.warps, self.rows_per_warp, self.causal,
+                         self.sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +169,10 @@ class HopperForward(_Launch):
     # overlap this one's epilogue
     causal: bool
     sparse: bool = False
-    exp_emulation: int = 0  # > 0: every n-th accumulator tile's exponentials on the FMA pipe
-    early_next: bool = False  # persistent TMA forms: the next item's K and Q load before this one ends
-    snake: bool = False  # persistent forms: every other round of items walked backwards (causal balance)
 
     source = "flash_fwd_sm90.cu"
-    block_rows = 128
+    key_prefix = "fwd_sm90"
+    block_rows = 128  # both, like HopperBackward's, reach the kernel through kernel_defines()
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
     # bytes); the persistent head-dim-128 forms still spill up to 64 bytes. At 256, where O is
@@ -167,42 +192,17 @@ class HopperForward(_Launch):
         return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
 
     @property
-    def loads_early(self) -> bool:
-        """Whether early_next takes effect: only the persistent TMA forms have a next item to
-        load early (the dispatcher's fallbacks to cp.async or one item a CTA drop it)."""
-        return self.early_next and self.persistent and self.tma
-
-    @property
-    def walks_snake(self) -> bool:
-        """Whether snake takes effect: only a persistent grid has rounds of items."""
-        return self.snake and self.persistent
-
-    @property
     def name_expression(self) -> str:
-        # The two probe switches are trailing template arguments with defaults: left out when
-        # off, so that the dispatcher's forms keep their names (and code).
-        extra = (f", {_flag(self.loads_early)}, true" if self.walks_snake else ", true" if self.loads_early else "")
-        return (
-            f"cuflash::flash_fwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
-            f"{self.stages}, {_flag(self.overlap)}, {_flag(self.pingpong)}, {_flag(self.tma)}, "
-            f"{_flag(self.persistent)}, {_flag(self.causal)}, {_flag(self.sparse)}, {self.exp_emulation}{extra}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"fwd_sm90_{self.dtype}_hd{self.head_dim}_bc{self.block_cols}_s{self.stages}_o{int(self.overlap)}"
-            f"_p{int(self.pingpong)}_t{int(self.tma)}_r{int(self.persistent)}"
-            f"_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-            + (f"_e{self.exp_emulation}" if self.exp_emulation else "")
-            + ("_n1" if self.loads_early else "")
-            + ("_z1" if self.walks_snake else "")
-        )
+        return _instance("flash_fwd_sm90_kernel", self.dtype, self.head_dim, self.block_cols, self.stages,
+                         self.overlap, self.pingpong, self.tma, self.persistent, self.causal, self.sparse,
+                         self.smem_bytes())
 
 
-# (block_cols, stages, overlap, pingpong, tma, persistent) of the wgmma forward per head dim. Its consumers hold S (64 x block_cols
-# fp32, exponentiated in place), P (16-bit, the tile in P V) and O (64 x head_dim fp32) in the 240 registers
-# a thread they take from the producer. Overlap (S of t + 1 issued before P V of t, softmax of
+# (block_cols, stages, overlap, pingpong, persistent) of the wgmma forward per head dim. Its
+# consumers hold S (64 x block_cols fp32, exponentiated in place), P (16-bit, the tile in P V)
+# and O (64 x head_dim fp32) in the 240 registers a thread they take from the producer. Every
+# form loads through TMA; the launch falls back to cp.async where the copy engine cannot map
+# the inputs, and to one item a CTA where the persistent grid's 32-bit item count would not do. Overlap (S of t + 1 issued before P V of t, softmax of
 # t + 1 while P V of t runs) with ping-pong is the fastest at hdim 64 (331 against 324 TFLOP/s
 # at seq 4096, 435 against 408 at 16k); at hdim 128 neither helps (506 against 507 at 4096, 591
 # against 564 at 16k), bench/NOTES.md.
@@ -219,55 +219,9 @@ class HopperForward(_Launch):
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
 # TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78. Never
 # persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
-_SM90_FORWARD_TILES = {64: (128, 3, True, True, True, 8), 128: (128, 3, False, False, True, 8),
-                       256: (64, 2, False, True, True, False)}
+_SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, False, False, 8), 256: (64, 2, False, True, False)}
 # The switch wgmma_forward() flips; CUFLASH_WGMMA=0 in the environment starts with it off.
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
-
-
-# Per head dim: 0, or n > 0 to compute the exponentials of every n-th 8-key accumulator tile
-# with poly_exp2 (kernels/common.cuh) on the FMA pipe instead of the SFU. Measured at 8cbec78
-# (bench/NOTES.md): slower at every n tried (2, 3, 4) at head dims 64 and 128, by 3-13%: the
-# SFU is not what binds these kernels. Kept off.
-_SM90_EXP_EMULATION = {64: 0, 128: 0, 256: 0}
-
-
-def sm90_exp_emulation_override(by_head_dim):
-    """Temporarily replace _SM90_EXP_EMULATION entries {head_dim: n} (tuning runs)."""
-    return _table_override(_SM90_EXP_EMULATION, by_head_dim)
-
-
-# Per head dim: whether the persistent forms start the next item's loads early (early_next,
-# kernels/flash_fwd_sm90.cu's EARLY_NEXT). Written without a GPU (session 6), so off until a
-# probe measures it: predicted to matter where items are short (seq 512-1024, 4-8 key tiles
-# an item, where the ring running dry at each item boundary costs a Q and a K load's latency,
-# ~1-2 us, of an 8-16 us item), and to be what the persistent grid lacked from seq 4096 on.
-_SM90_EARLY_NEXT = {64: False, 128: False, 256: False}
-
-
-def sm90_early_next_override(by_head_dim):
-    """Temporarily replace _SM90_EARLY_NEXT entries {head_dim: bool} (tuning runs, tests)."""
-    return _table_override(_SM90_EARLY_NEXT, by_head_dim)
-
-
-# Per head dim: whether the persistent forms walk every other round of items backwards
-# (snake, kernels/flash_fwd_sm90.cu's SNAKE). Also written without a GPU, so off. Counted on
-# the host for hd128 causal at seq 4096 (2048 items on 132 CTAs): in plain rounds CTA 0 takes
-# 272 key tiles and the last 240 (mean 256), so the grid runs 6% past balance; in snake order
-# every CTA takes 256 (16k: 1064 / 939 against 1003 / 1000). The causal persistent grid is
-# where the static order lost most (447 against 528 TFLOP/s at 16k).
-_SM90_SNAKE = {64: False, 128: False, 256: False}
-
-
-def sm90_snake_override(by_head_dim):
-    """Temporarily replace _SM90_SNAKE entries {head_dim: bool} (tuning runs, tests)."""
-    return _table_override(_SM90_SNAKE, by_head_dim)
-
-
-def sm90_tiles_override(tiles_by_head_dim):
-    """Temporarily replace _SM90_FORWARD_TILES entries
-    {head_dim: (block_cols, stages, overlap, pingpong, tma, persistent)}."""
-    return _table_override(_SM90_FORWARD_TILES, tiles_by_head_dim)
 
 
 # Bumped whenever a switch or a table override changes what the dispatcher picks: cached
@@ -276,11 +230,10 @@ GENERATION = [0]
 
 
 @contextlib.contextmanager
-def _switched(switch: list, enabled):
-    """Temporarily set a module switch (a one-element list; None where the switch has a
-    per-head-dim default)."""
+def _switched(switch: list, enabled: bool):
+    """Temporarily set a module switch (a one-element list)."""
     saved = switch[0]
-    switch[0] = None if enabled is None else bool(enabled)
+    switch[0] = bool(enabled)
     GENERATION[0] += 1
     try:
         yield
@@ -330,11 +283,7 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
             persistent = q_tiles is not None and q_tiles <= persistent
         if q_tiles is not None and q_tiles * slices >= 2**31:
             persistent = False
-        schedule[-1] = schedule[-1] and bool(tma)  # the tma field, last of the schedule
-        return HopperForward(dtype, d, *schedule, persistent, bool(causal), sparse=bool(sparse),
-                             exp_emulation=_SM90_EXP_EMULATION.get(d, 0),
-                             early_next=bool(persistent and _SM90_EARLY_NEXT.get(d, False)),
-                             snake=bool(persistent and _SM90_SNAKE.get(d, False)))
+        return HopperForward(dtype, d, *schedule, bool(tma), persistent, bool(causal), sparse=bool(sparse))
     if dtype == "float32":
         value_tiles = -(-dv // 32)
         # O holds rows_per_warp x value_tiles fp32 registers a lane; keep it near 16-32.
@@ -395,8 +344,6 @@ def forward_tiles_override(tiles_by_bucket):
 
 # ---- backward -----------------------------------------------------------------------------
 
-_TAG_WITH_FLOAT = dict(_TYPE_TAG, float32="float")
-STATS_ROW_MULTIPLE = 128  # lse2 / D rows are padded to this; every query tile divides it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,17 +354,14 @@ class BackwardPreprocess(_Launch):
     warps: int = 8  # one row per warp
 
     source = "flash_bwd.cu"
+    key_prefix = "bwd_pre"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         return 0
 
     @property
     def name_expression(self) -> str:
-        return f"cuflash::flash_bwd_preprocess<{_TAG_WITH_FLOAT[self.dtype]}, {self.warps}>"
-
-    @property
-    def key(self) -> str:
-        return f"bwd_pre_{self.dtype}_w{self.warps}"
+        return _instance("flash_bwd_preprocess", self.dtype, self.warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,6 +392,7 @@ class TensorCoreBackward(_Launch):
     sparse: bool = False
 
     source = "flash_bwd.cu"
+    key_prefix = "bwd"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
@@ -457,22 +402,10 @@ class TensorCoreBackward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        flags = ", ".join(_flag(f) for f in (self.causal, self.do_dk, self.do_dv, self.atomic_dq))
-        return (
-            f"cuflash::flash_bwd_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
-            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, {flags}, "
-            f"{self.warps_s_rows}, {self.warps_kv_rows}, {self.warps_dq_rows}, {self.k_unroll_s}, {self.k_unroll_o}, "
-            f"{_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        parts = [n for n, f in (("dk", self.do_dk), ("dv", self.do_dv), ("atomic_dq", self.atomic_dq)) if f]
-        return (
-            f"bwd_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
-            f"_l{self.warps_s_rows}{self.warps_kv_rows}{self.warps_dq_rows}_u{self.k_unroll_s}{self.k_unroll_o}"
-            f"_{'_'.join(parts)}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
+                         self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows,
+                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +423,7 @@ class TensorCoreBackwardDq(_Launch):
     sparse: bool = False
 
     source = "flash_bwd.cu"
+    key_prefix = "bwd_dq"
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         k_pitch, v_pitch = self.head_dim + SMEM_PAD, self.head_dim_v + SMEM_PAD
@@ -498,18 +432,8 @@ class TensorCoreBackwardDq(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_dq_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
-            f"{self.block_rows}, {self.block_cols}, {self.warps}, {self.min_blocks}, "
-            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"bwd_dq_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}"
-            f"_w{self.warps}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_bwd_dq_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,6 +447,7 @@ class Float32BackwardDkDv(_Launch):
     sparse: bool = False
 
     source = "flash_bwd_f32.cu"
+    key_prefix = "bwd_dkdv"
     dtype = "float32"
     block_rows = 32  # queries per tile walked: one per lane
 
@@ -536,14 +461,8 @@ class Float32BackwardDkDv(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_dkdv_f32_kernel<{self.dim_tiles}, {self.dim_tiles}, {self.warps}, "
-            f"{self.keys_per_warp}, {_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return f"bwd_dkdv_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        return _instance("flash_bwd_dkdv_f32_kernel", self.dim_tiles, self.dim_tiles, self.warps,
+                         self.keys_per_warp, self.causal, self.sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,6 +476,7 @@ class Float32BackwardDq(_Launch):
     sparse: bool = False
 
     source = "flash_bwd_f32.cu"
+    key_prefix = "bwd_dq"
     dtype = "float32"
     block_cols = 32  # keys per tile walked: one per lane
 
@@ -570,14 +490,8 @@ class Float32BackwardDq(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_dq_f32_kernel<{self.dim_tiles}, {self.warps}, {self.rows_per_warp}, "
-            f"{_flag(self.causal)}, {_flag(self.sparse)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return f"bwd_dq_float32_dt{self.dim_tiles}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
+        return _instance("flash_bwd_dq_f32_kernel", self.dim_tiles, self.warps, self.rows_per_warp, self.causal,
+                         self.sparse)
 
 
 # (query rows per tile, keys per CTA, warps, min_blocks, warps along S's queries, along dK/dV's
@@ -630,6 +544,7 @@ class HopperBackward(_Launch):
     bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
 
     source = "flash_bwd_sm90.cu"
+    key_prefix = "bwd_sm90"
     block_rows = 64
     block_cols = 128
     warps = 12
@@ -650,17 +565,8 @@ class HopperBackward(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_bwd_sm90_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.stages}, "
-            f"{_flag(self.atomic_dq)}, {_flag(self.causal)}, {_flag(self.sparse)}, {_flag(self.bulk_dq)}>"
-        )
-
-    @property
-    def key(self) -> str:
-        return (
-            f"bwd_sm90_{self.dtype}_hd{self.head_dim}_s{self.stages}{'_atomic_dq' if self.atomic_dq else ''}"
-            f"{'_bulk' if self.bulk_dq else ''}_causal_{str(self.causal).lower()}{_SPARSE_TAG[self.sparse]}"
-        )
+        return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
+                         self.causal, self.sparse, self.bulk_dq, self.smem_bytes())
 
 
 # Per head dim: the wgmma backward's atomic dQ added tile by tile by one bulk reduction on the
@@ -668,18 +574,6 @@ class HopperBackward(_Launch):
 # 8cbec78): +7-11% at head dim 128; -4-8% at 64, where each warpgroup adds its own tile and the
 # copy engine's two reductions a tile cost more than the atomics they replace.
 _SM90_BULK_DQ = {64: False, 128: True}
-# The switch sm90_bulk_dq() flips: None follows _SM90_BULK_DQ, True / False force it.
-_sm90_bulk_dq = [None]
-
-
-def sm90_bulk_dq(enabled: typing.Optional[bool]):
-    """Add the wgmma backward's atomic dQ by bulk reductions (True), by vector atomics (False)
-    or as _SM90_BULK_DQ says for the head dim (None, the default)."""
-    return _switched(_sm90_bulk_dq, enabled)
-
-
-def _bulk_dq(d: int) -> bool:
-    return _SM90_BULK_DQ.get(d, False) if _sm90_bulk_dq[0] is None else bool(_sm90_bulk_dq[0])
 
 
 # The switch wgmma_backward() flips; CUFLASH_WGMMA_BWD=0 in the environment starts with it off.
@@ -710,7 +604,7 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     if wgmma and on and dtype in _TYPE_TAG and d == dv and d in (64, 128):
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *_TC_BACKWARD_DQ_TILES[d], causal, sparse)
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  bulk_dq=_bulk_dq(d) and not deterministic)
+                                  bulk_dq=_SM90_BULK_DQ[d] and not deterministic)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)
@@ -737,11 +631,6 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     else:
         passes = (key_pass(False, True, atomic), key_pass(True, False, False))
     dq = None if atomic else TensorCoreBackwardDq(dtype, hd, hd, *_TC_BACKWARD_DQ_TILES[hd], causal, sparse)
-    # The kernels read whole tiles of the per-row statistics, padded to STATS_ROW_MULTIPLE rows.
-    for kernel in (*passes, dq):
-        if kernel is not None and STATS_ROW_MULTIPLE % kernel.block_rows:
-            raise AssertionError(f"{kernel.key}: {kernel.block_rows} query rows do not divide "
-                                 f"STATS_ROW_MULTIPLE = {STATS_ROW_MULTIPLE}")
     return BackwardPlan(pre, passes, dq, atomic)
 
 
@@ -818,13 +707,11 @@ class GradientReduce(_Launch):
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         return 0
 
-    @property
-    def name_expression(self) -> str:
-        return f"cuflash::grad_reduce_kernel<{_TAG_WITH_FLOAT[self.dtype]}>"
+    key_prefix = "grad_reduce"
 
     @property
-    def key(self) -> str:
-        return f"grad_reduce_{self.dtype}"
+    def name_expression(self) -> str:
+        return _instance("grad_reduce_kernel", self.dtype, self.warps)
 
 
 # ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
@@ -881,17 +768,12 @@ class SplitKvDecode(_Launch):
         tiles = 2 * (self.block_rows * pitch + 2 * self.stages * self.block_cols * pitch)
         return tiles + 4 * (self.stages + 1) * (self.block_cols // DECODE_PAGE_GROUP)
 
-    @property
-    def name_expression(self) -> str:
-        return (
-            f"cuflash::flash_decode_kernel<{_TYPE_TAG[self.dtype]}, {self.head_dim}, {self.block_cols}, "
-            f"{self.warps}, {self.stages}, {_flag(self.paged)}, {self.row_warps}>"
-        )
+    key_prefix = "decode"
 
     @property
-    def key(self) -> str:
-        return (f"decode_{self.dtype}_hd{self.head_dim}_br{self.block_rows}_bc{self.block_cols}_w{self.warps}"
-                f"_s{self.stages}{'_paged' if self.paged else ''}")
+    def name_expression(self) -> str:
+        return _instance("flash_decode_kernel", self.dtype, self.head_dim, self.block_cols, self.warps, self.stages,
+                         self.paged, self.row_warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -906,13 +788,11 @@ class DecodeCombine(_Launch):
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         return 0
 
-    @property
-    def name_expression(self) -> str:
-        return f"cuflash::flash_decode_combine_kernel<{_TYPE_TAG[self.dtype]}, {self.warps}>"
+    key_prefix = "decode_combine"
 
     @property
-    def key(self) -> str:
-        return f"decode_combine_{self.dtype}_w{self.warps}"
+    def name_expression(self) -> str:
+        return _instance("flash_decode_combine_kernel", self.dtype, self.warps)
 
 
 # (block_cols, warps, stages) per (head-dim bucket, row warps). Four warps; three stages, so
@@ -1006,3 +886,22 @@ def all_decode_variants():
                 for row_warps in DECODE_ROW_WARPS:
                     variants.append(decode_config(dtype, hd, hd, paged, DECODE_ROW_TILE * row_warps))
     return variants
+
+
+def kernel_defines() -> dict:
+    """{macro: value} of the numbers the kernels take from this module (kernels/common.cuh,
+    tile_io.cuh, sm90.cuh, flash_fwd_sm90.cu, flash_bwd_sm90.cu), passed by
+    _loader.base_options()."""
+    from . import _tma  # the tensor maps' parameter block (numpy, ctypes): only when building
+    return {
+        "CUFLASH_SMEM_PAD": SMEM_PAD,
+        "CUFLASH_MAX_LEAD": MAX_LEAD_DIMS,
+        "CUFLASH_PARTIAL_TILE": PARTIAL_TILE,
+        "CUFLASH_STATS_ROW_MULTIPLE": STATS_ROW_MULTIPLE,
+        "CUFLASH_SM90_FWD_ROWS": HopperForward.block_rows,
+        "CUFLASH_SM90_FWD_WARPS": HopperForward.warps,
+        "CUFLASH_SM90_BWD_ROWS": HopperBackward.block_rows,
+        "CUFLASH_SM90_BWD_KEYS": HopperBackward.block_cols,
+        "CUFLASH_SM90_BWD_WARPS": HopperBackward.warps,
+        "CUFLASH_SM90_MAPS_BYTES": _tma.PARAM_BYTES,
+    }

@@ -19,6 +19,8 @@ import re
 import threading
 from pathlib import Path
 
+from . import _config
+
 
 def _find_kernel_dir() -> Path:
     here = Path(__file__).resolve().parent
@@ -46,7 +48,11 @@ def read_source(name: str) -> str:
 
 
 def base_options() -> tuple:
-    return ("-std=c++17", f"-I{KERNEL_DIR}", f"-DCUFLASH_SRC_HASH={source_hash()}")
+    """The options of every build: the include path, the numbers the kernels take from
+    cuflash/_config.py as defines (they are part of CuPy's disk-cache key like every option),
+    and the source hash."""
+    defines = tuple(f"-D{name}={value}" for name, value in _config.kernel_defines().items())
+    return ("-std=c++17", f"-I{KERNEL_DIR}", *defines, f"-DCUFLASH_SRC_HASH={source_hash()}")
 
 
 def arch_options(compute_capability: str) -> tuple:

@@ -76,7 +76,7 @@ def encode(ptr: int, cols: int, rows: int, row_stride: int, stride: int, count: 
 
 # struct Sm90Maps in kernels/sm90.cuh: three maps, then the three slice strides (elements).
 SLICE_FORMAT = "<qqq"
-PARAM_BYTES = 448  # 3 * 128 + 24, rounded up to the struct's 64-byte alignment
+PARAM_BYTES = 448  # 3 * 128 + 24, rounded up to the struct's 64-byte alignment (a static_assert checks it)
 
 
 def geometries(nq: int, nk: int, d: int, layout, row_strides, block_rows: int, block_cols: int) -> tuple:

@@ -14,7 +14,9 @@ typedef long long i64;
 struct bf16 { u16 bits; };
 struct fp16 { u16 bits; };
 
-constexpr int kMaxLead = 4;  // leading (batch) dims after Python has merged what it can
+// The numbers the kernels share with Python are chosen in cuflash/_config.py and arrive as
+// -D defines (kernel_defines() there, _loader.base_options()); each is named here once.
+constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python has merged what it can
 
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
 // without caring about padding rules; cuflash/_api.py owns the field order (FWD_PARAM_FIELDS).
@@ -52,7 +54,11 @@ struct FwdParams {
     i64 mask_lead_stride[kMaxLead];  // mask-batch strides over the output's leading dims, 0 = broadcast
 };
 
-constexpr int kPartialTile = 1 << 30;  // flag bit of a tile_lists entry
+constexpr int kPartialTile = CUFLASH_PARTIAL_TILE;  // flag bit of a tile_lists entry
+static_assert(kPartialTile > 0 && (kPartialTile & (kPartialTile - 1)) == 0, "the partial-tile flag is one bit");
+// Rows of the backward's per-row statistics (BwdParams::lse2, delta) are padded to a multiple
+// of this, so that a kernel reading them a whole query tile at a time needs its tile to divide it.
+constexpr int kStatsRowMultiple = CUFLASH_STATS_ROW_MULTIPLE;
 
 // Extra tensors of the backward pass. Their leading dims are the output's (FwdParams::lead_shape).
 struct BwdParams {
@@ -127,36 +133,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-
-// 2^x for x <= 0 on the FMA pipe instead of the SFU (FlashAttention-4's trick): the SFU does 16
-// exponentials a clock per SM, about what the Hopper forward's tensor cores consume at head
-// dim 64, so a share of them goes to the 128 FMA lanes. x is clamped to -127, rounded to the
-// integer j by adding 1.5 * 2^23, and 2^(x - j), x - j in [-0.5, 0.5], comes from a polynomial
-// with p(0) = 1 exactly, so x = -127 (and the -inf of a masked score) gives exactly 0 once j is
-// added to the exponent field (j << 23 wraps onto it: the shifter's own bits shift out). Largest
-// relative error in float32 (bench/NOTES.md): 1.0e-4 at degree 3, next to bf16's 2^-9 rounding
-// of P; 2.9e-6 at degree 4, for fp16. NaN stays NaN.
-template <int DEG>
-__device__ __forceinline__ float poly_exp2(float x) {
-    constexpr float kShift = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-    const float xc = fmaxf(x, -127.f);
-    const float j = __fadd_rn(xc, kShift);
-    const float f = __fsub_rn(xc, __fsub_rn(j, kShift));
-    float p;
-    if (DEG >= 4)
-        p = fmaf(fmaf(fmaf(fmaf(0.009582852944731712f, f, 0.055906426161527634f), f, 0.24024099111557007f), f,
-                      0.6931241750717163f), f, 1.f);
-    else
-        p = fmaf(fmaf(fmaf(0.05500892922282219f, f, 0.2422109693288803f), f, 0.6932829022407532f), f, 1.f);
-    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(j) << 23));
-    return x == x ? y : x;
-}
-
-// The degree poly_exp2 needs when P is stored as T: 3 for bf16, 4 for fp16.
-template <typename T>
-struct PolyExp2Degree { static constexpr int value = 4; };
-template <>
-struct PolyExp2Degree<bf16> { static constexpr int value = 3; };
 
 // P of one score in the backward, from the forward's row statistics m (scaled max) and log2 l:
 // exp(scale * s - m) / l. The product is rounded on its own, exactly as the forward rounded the

@@ -126,7 +126,7 @@ struct BwdSmemLayout {
 // the rest; dK and dV stay in registers for the whole walk.
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
           bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, int KU_S, int KU_O,
-          bool SPARSE>
+          bool SPARSE, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
@@ -138,9 +138,11 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
                   "every warp tile is whole 16 x 16 blocks");
     static_assert(DK_COLS % 16 == 0 && DV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "head-dim slices are 16 wide");
     using L = BwdSmemLayout<HD, HDV, BR, BC>;
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackward.smem_bytes");
+    static_assert(kStatsRowMultiple % BR == 0, "statistics tiles of BR rows stay inside the padded rows");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     float* sLse = reinterpret_cast<float*>(smem_raw);  // [2][BR][2]: (m, log2 l)
     float* sD = sLse + 4 * BR;                          // [2][BR]
     T* sK = reinterpret_cast<T*>(smem_raw + L::stats_bytes);
@@ -352,14 +354,16 @@ struct BwdDqSmemLayout {
     static constexpr int bytes = 2 * (q_elems + do_elems + 2 * k_elems + 2 * v_elems);
 };
 
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE>
+template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
     constexpr int NT = NWARPS * 32;
     using L = BwdDqSmemLayout<HD, HDV, BR, BC>;
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackwardDq.smem_bytes");
+    static_assert(kStatsRowMultiple % BR == 0, "query tiles stay inside the statistics' padded rows");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sdO = sQ + L::q_elems;
     T* sK = sdO + L::do_elems;       // [2][BC][k_pitch]

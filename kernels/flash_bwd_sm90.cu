@@ -28,9 +28,12 @@
 
 namespace cuflash {
 
-constexpr int kBwd90Keys = 128;    // keys per CTA: two consumer warpgroups of 64
-constexpr int kBwd90Rows = 64;     // queries per tile walked
-constexpr int kBwd90Threads = 3 * 128;
+constexpr int kBwd90Keys = CUFLASH_SM90_BWD_KEYS;        // keys per CTA (HopperBackward.block_cols)
+constexpr int kBwd90Rows = CUFLASH_SM90_BWD_ROWS;        // queries per tile walked (block_rows)
+constexpr int kBwd90Threads = 32 * CUFLASH_SM90_BWD_WARPS;  // HopperBackward.threads
+static_assert(kBwd90Keys == 2 * 64 && kBwd90Rows == 64 && kBwd90Threads == 3 * 128,
+              "a producer warpgroup and two consumer warpgroups of 64 keys (wgmma's M), query tiles of 64");
+static_assert(kStatsRowMultiple % kBwd90Rows == 0, "query tiles stay inside the statistics' padded rows");
 constexpr int kBwd90ProducerRegisters = 40, kBwd90ConsumerRegisters = 232;
 static_assert(128 * kBwd90ProducerRegisters + 256 * kBwd90ConsumerRegisters <= 168 * kBwd90Threads,
               "register budget");
@@ -88,7 +91,7 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
         }
 }
 
-template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ>
+template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ, int SMEM_BYTES>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     using L = Bwd90SmemLayout<HD, STAGES>;
@@ -98,8 +101,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
     constexpr bool kDoubleDs = HD == 64;
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sK = base + L::k_offset, sV = base + L::v_offset, sQ = base + L::q_offset;
     const u32 sDO = base + L::do_offset, sDS = base + L::ds_offset, sDQ_addr = base + L::dq_offset;

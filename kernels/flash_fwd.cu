@@ -30,8 +30,9 @@ struct FwdSmemLayout {
     static constexpr int bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
 
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
-          int QK_UNROLL = 2, bool SPARSE = false>
+// SMEM_BYTES: the dynamic shared memory the launch gives, as cuflash/_config.py computed it.
+template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, int QK_UNROLL, bool SPARSE,
+          int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
@@ -42,9 +43,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     constexpr int NT = NWARPS * 32;
     constexpr int WR = 16 * MT;  // query rows per warp
     using L = FwdSmemLayout<HD, HDV, BR, BC>;
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreForward.smem_bytes");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + L::q_elems;
     T* sV = sK + 2 * L::k_elems;

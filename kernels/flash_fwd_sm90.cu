@@ -24,8 +24,10 @@
 
 namespace cuflash {
 
-constexpr int kSm90Rows = 128;        // query rows per CTA: two consumer warpgroups of 64
-constexpr int kSm90Threads = 3 * 128;  // producer + two consumers
+constexpr int kSm90Rows = CUFLASH_SM90_FWD_ROWS;        // query rows per CTA (HopperForward.block_rows)
+constexpr int kSm90Threads = 32 * CUFLASH_SM90_FWD_WARPS;  // HopperForward.threads
+static_assert(kSm90Rows == 2 * 64 && kSm90Threads == 3 * 128,
+              "a producer warpgroup and two consumer warpgroups of 64 query rows (wgmma's M)");
 // Consumers release buffers once a warp (lane 0): they read K, V and Q only through wgmma,
 // whose reads are complete for the whole warpgroup once wait_group has returned, so 8
 // arrivals stand for 256 (each an atomic on shared memory, twice a tile).
@@ -83,11 +85,7 @@ struct Sm90Work {
 // grid position names (causal: last query tiles first, they see the most keys). With, items
 // blockIdx.x, blockIdx.x + gridDim.x, ... of all n_q_tiles * num_batch: slices outermost so
 // that neighbouring CTAs share K and V in L2, or (causal) longest query tiles first.
-// SNAKE walks every other round backwards (item gridDim.x - 1 - blockIdx.x of it): causal items
-// shrink along the list, so in plain rounds CTA 0 takes the longest item of every round (hd128
-// causal at seq 4096: 272 key tiles, the last CTA 240, the mean 256), while two rounds in
-// opposite directions even out to within one round's spread (every CTA 256).
-template <bool CAUSAL, bool PERSISTENT, bool SNAKE = false>
+template <bool CAUSAL, bool PERSISTENT>
 __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32 i, Sm90Work& w) {
     if (!PERSISTENT) {
         w.bidx = flat_batch_index();
@@ -95,8 +93,7 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32
         return i == 0 && w.bidx < p.num_batch;
     }
     // The host runs this form only while n_q_tiles * num_batch < 2^31: 32-bit divisions.
-    const u32 slot = (SNAKE && (i & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const u32 item = slot + i * gridDim.x, batches = (u32)p.num_batch;
+    const u32 item = blockIdx.x + i * gridDim.x, batches = (u32)p.num_batch;
     if (item >= (u32)n_q_tiles * batches) return false;
     if (CAUSAL) {
         w.q_tile = n_q_tiles - 1 - (int)(item / batches);
@@ -111,7 +108,7 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
 // masked and turned into P.
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE, int EXP_EMU>
+          bool SPARSE>
 struct Sm90Consumer {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     const FwdParams& p;
@@ -217,12 +214,7 @@ struct Sm90Consumer {
         for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float x = (acc_s[n][e] - base_s[e / 2]) * scale_log2;
-                // EXP_EMU > 0: every EXP_EMU-th accumulator tile on the FMA pipe (common.cuh)
-                if (EXP_EMU > 0 && n % EXP_EMU == EXP_EMU - 1)
-                    acc_s[n][e] = poly_exp2<PolyExp2Degree<T>::value>(x);
-                else
-                    acc_s[n][e] = fast_exp2(x);
+                acc_s[n][e] = fast_exp2((acc_s[n][e] - base_s[e / 2]) * scale_log2);
                 softmax.l[e / 2] += acc_s[n][e];
             }
     }
@@ -259,13 +251,13 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
 // gaps).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE, int EXP_EMU, bool EARLY_NEXT>
+          bool SPARSE>
 __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
                                         i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar,
                                         Sm90Ring ring) {
     const int n_tiles = tiles.count;
     const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
-    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE, EXP_EMU> c{p, tiles, band, sQ, sK, sV, bar, ring};
+    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar, ring};
     c.warpgroup = warpgroup;
     c.row0 = 64 * (warpgroup - 1);
     c.lane = ct % 32;
@@ -282,8 +274,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     OnlineSoftmax<2> softmax;
     softmax.init();
 
-    // With EARLY_NEXT, Q is handed back once the item's last S is complete (its last P V reads
-    // P and V only), so that the next item's Q loads under that P V and the epilogue.
     if (n_tiles > 0) {
         sm90::mbarrier_wait(bar.q_full(), ring.q_round & 1);
         if (!TMA) sm90::fence_async_shared();
@@ -316,9 +306,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
                 c.finish_pv(acc_o, t);
                 pack_p<T, BC>(acc_s, p_frag);
             }
-            if constexpr (EARLY_NEXT) {  // S of the last tile was waited for above (or before the loop)
-                if (c.lane == 0) sm90::mbarrier_arrive(bar.q_empty());
-            }
             sm90::fence_operand(acc_o);
             c.begin_turn();
             rescale_rows(acc_o, correction);
@@ -326,9 +313,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
             c.end_turn(true);
             c.finish_pv(acc_o, n_tiles - 1);
         } else {
-            if constexpr (EARLY_NEXT) {  // its one S was waited for above
-                if (n_tiles == 1 && c.lane == 0) sm90::mbarrier_arrive(bar.q_empty());
-            }
             for (int t = 0; t < n_tiles; ++t) {
                 const bool more = t + 1 < n_tiles;
                 sm90::fence_operand(acc_o);
@@ -337,9 +321,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
                 if (more) c.issue_s(acc_s, t + 1);
                 c.end_turn(!more);
                 c.finish_pv(acc_o, t);  // and S of t + 1, committed after it
-                if constexpr (EARLY_NEXT) {  // that was the last S
-                    if (t + 2 == n_tiles && c.lane == 0) sm90::mbarrier_arrive(bar.q_empty());
-                }
                 if (more) {  // P V of t has read p_frag and written O: both are free now
                     c.take_s(acc_s, t + 1, softmax, correction);
                     rescale_rows(acc_o, correction);
@@ -347,9 +328,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
                 }
             }
         }
-        if constexpr (!EARLY_NEXT) {  // every S of this item is done: Q may be replaced
-            if (c.lane == 0) sm90::mbarrier_arrive(bar.q_empty());
-        }
+        if (c.lane == 0) sm90::mbarrier_arrive(bar.q_empty());  // every S of this item is done: Q may be replaced
     }
 
     // -- epilogue: O /= l, l and m in flash_fwd.cu's format --
@@ -381,12 +360,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     }
 }
 
-// EARLY_NEXT (persistent TMA forms only): the next item's loads start before this item ends.
-// The producer issues its first K tile as soon as a ring buffer frees, and its Q as soon as
-// the consumers hand Q back after their last S (not after their last P V and epilogue); off,
-// Q and then K wait for the end of the item, and the ring runs dry at every item boundary.
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE, int EXP_EMU, bool EARLY_NEXT = false, bool SNAKE = false>
+          bool SPARSE, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -395,10 +370,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // At 256, O alone is 128 of a consumer's 232 registers, and Q plus one stage of K and V
     // 128 KB of shared memory.
     static_assert(HD != 256 || (BC == 64 && STAGES == 2), "head dim 256: 64-key tiles, 2 stages");
-    static_assert(!EARLY_NEXT || (PERSISTENT && TMA), "early loads of the next item: persistent TMA forms");
-    static_assert(!SNAKE || PERSISTENT, "snake order: persistent forms");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperForward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base + L::q_offset, sK = base + L::k_offset, sV = base + L::v_offset;
     const Sm90Barriers<STAGES> bar{base + L::barrier_offset};
@@ -427,27 +401,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     if (warpgroup == 0) {
         // ---- producer: per item, Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, SNAKE>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
             const int n_tiles = tiles.count;
             if (n_tiles == 0) continue;  // the consumers write this item without any load
             const BatchOffsets off = batch_offsets(p, w.bidx);
-            // Q's buffer is free once both consumers have finished the previous item's tiles
-            // (with EARLY_NEXT, its S products: the copying thread waits for that itself).
-            if (!EARLY_NEXT && ring.q_round > 0) sm90::mbarrier_wait(bar.q_empty(), (ring.q_round - 1) & 1);
+            // Q's buffer is free once both consumers have finished the previous item's tiles.
+            if (ring.q_round > 0) sm90::mbarrier_wait(bar.q_empty(), (ring.q_round - 1) & 1);
             if (TMA) {
                 // One thread issues every copy: a box per 64 columns, each completing on the
                 // tile's barrier with its byte count.
                 if (tid == 0) {
                     const int zq = (int)(off.q / maps.q_slice), zk = (int)(off.k / maps.k_slice);
                     const int zv = (int)(off.v / maps.v_slice);
-                    const bool q_later = EARLY_NEXT && ring.q_round > 0;  // after this item's first K
-                    if (!q_later) {
-                        sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
-                        sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
-                    }
+                    sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
+                    sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
                     for (int t = 0; t < n_tiles; ++t) {
                         const int s = ring.stage(t, STAGES);
                         const u32 reuse_parity = ring.phase(t, STAGES) ^ 1;  // the previous lap's release
@@ -456,13 +426,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         if (reused) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
                         sm90::mbarrier_expect_tx(bar.k_full(s), (u32)L::k_bytes);
                         sm90::tma_load_tile<BC, HD>(sK + s * L::k_bytes, &maps.k, k0, zk, bar.k_full(s));
-                        if constexpr (EARLY_NEXT) {
-                            if (q_later && t == 0) {  // the consumers need both for their first S
-                                sm90::mbarrier_wait(bar.q_empty(), (ring.q_round - 1) & 1);
-                                sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
-                                sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
-                            }
-                        }
                         if (reused) sm90::mbarrier_wait(bar.v_empty(s), reuse_parity);
                         sm90::mbarrier_expect_tx(bar.v_full(s), (u32)L::v_bytes);
                         sm90::tma_load_tile<BC, HD>(sV + s * L::v_bytes, &maps.v, k0, zv, bar.v_full(s));
@@ -496,11 +459,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         if (!TMA) cp_async_wait<0>();  // nothing may be in flight when the thread exits
     } else {
         sm90::claim_registers<kConsumerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, SNAKE>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
-            consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE, EXP_EMU, EARLY_NEXT>(
+            consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE>(
                 p, tiles, band, w.bidx, q0, tid, sQ, sK, sV, bar, ring);
             if (tiles.count > 0) {
                 ring.first_tile += tiles.count;

@@ -260,6 +260,7 @@ struct alignas(64) Sm90Maps {
     TensorMap q, k, v;
     i64 q_slice, k_slice, v_slice;
 };
+static_assert(sizeof(Sm90Maps) == CUFLASH_SM90_MAPS_BYTES, "the parameter block cuflash/_tma.py packs");
 
 // Copies the box at (x, y, z) of a 3-D tensor map into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 bar) {

@@ -4,10 +4,11 @@
 
 namespace cuflash {
 
-// Shared-memory rows are padded by 8 elements (16 bytes). Rows hold an even number of
-// 16-byte chunks, so the padded pitch is an odd number of chunks and the 8 rows one
+// Shared-memory rows are padded by one 16-byte chunk (8 16-bit elements). Rows hold an even
+// number of 16-byte chunks, so the padded pitch is an odd number of chunks and the 8 rows one
 // ldmatrix phase reads fall in 8 distinct 16-byte bank groups.
-constexpr int kSmemPad = 8;
+constexpr int kSmemPad = CUFLASH_SMEM_PAD;
+static_assert(kSmemPad * 2 == 16, "one 16-byte chunk of padding a row");
 
 // Copies rows [row0, row0 + ROWS) and columns [0, COLS) of a row-major global matrix into
 // shared memory (pitch PITCH). Rows at or past `nrows` and columns at or past `ncols` (both

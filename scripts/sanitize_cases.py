@@ -37,12 +37,13 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gpu_util import random_array  # noqa: E402
+from gpu_util import random_array, tma_refused  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash import _config, _loader, masks  # noqa: E402
 
 ODD_LENGTHS = (77, 131)
+LONG_QUERIES = 1100  # past the 1024 rows up to which the wgmma forward runs a persistent grid
 
 
 class Case(NamedTuple):
@@ -178,19 +179,13 @@ def run_case(case, rng, subset):
     return all(bool(cupy.isfinite(x).all()) for x in results)
 
 
-def _form(form, d):
-    """The context a case runs in: as dispatched, with the wgmma forward off, with its cp.async
-    loads instead of TMA, with one work item a CTA instead of a persistent grid (the cases are
-    short, so the dispatcher picks the persistent one), both, or with the mma.sync backward."""
+def _form(form):
+    """The context a case runs in: as dispatched, with the wgmma forward off, with inputs the
+    copy engine 'cannot map' (the wgmma forward's cp.async form), or with the mma.sync backward."""
     if form == "wgmma off":
         return _config.wgmma_forward(False)
-    tiles = _config._SM90_FORWARD_TILES.get(d)
     if form == "cp.async":
-        return _config.sm90_tiles_override({d: tiles[:4] + (False,) + tiles[5:]})
-    if form == "one item a CTA":
-        return _config.sm90_tiles_override({d: tiles[:5] + (False,)})
-    if form == "cp.async, one item a CTA":
-        return _config.sm90_tiles_override({d: tiles[:4] + (False, False)})
+        return tma_refused()
     if form == "wgmma backward off":
         return _config.wgmma_backward(False)
     return contextlib.nullcontext()
@@ -254,17 +249,19 @@ def main(argv=None) -> int:
     if _config.has_wgmma(arch):
         # The forms the default wgmma kernels replace stay reachable: the mma.sync forward
         # (CUFLASH_WGMMA=0) and backward (CUFLASH_WGMMA_BWD=0), the cp.async wgmma forward
-        # (inputs TMA cannot map), the one-item-a-CTA grid (long queries). Run the cases that
-        # pick the wgmma kernels once more in each.
+        # (inputs TMA cannot map). Run the cases that pick the wgmma kernels once more in each,
+        # and (the cases are short, so persistent where the table says so) with LONG_QUERIES
+        # query rows, which run one item a CTA, through TMA and through cp.async.
         hopper = [case for case in case_list
                   if case.dtype != "float32" and case.d == case.dv and case.d in _config._SM90_FORWARD_TILES]
-        runs += [(case, form) for form in ("wgmma off", "cp.async", "one item a CTA", "cp.async, one item a CTA",
-                                         "wgmma backward off")
-                 for case in hopper]
+        runs += [(case, form) for form in ("wgmma off", "cp.async", "wgmma backward off") for case in hopper]
+        persistent = [case for case in hopper
+                      if _config.forward_config(case.dtype, case.d, case.dv, case.causal, wgmma=True, nq=case.nq).persistent]
+        runs += [(case._replace(nq=LONG_QUERIES), form) for form in ("", "cp.async") for case in persistent]
     k, n = args.shard
     for case, form in runs[k::n]:
         start = time.perf_counter()
-        with _form(form, case.d):
+        with _form(form):
             finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
         failures += not finite
         label = f" ({form})" if form else ""

@@ -1,5 +1,7 @@
 """Helpers for GPU tests: random inputs in each dtype, and the flash-attention error rule."""
 
+import contextlib
+
 import numpy as np
 
 from cuflash import reference as ref
@@ -86,3 +88,44 @@ def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype, mask=None):
             assert err <= bound, f"{name}: max error {err:.3g} > 3 x plain {dtype} error ({bound:.3g})"
         errors.append(err)
     return errors
+
+
+@contextlib.contextmanager
+def launched_variants():
+    """Records the variant of every kernel launched inside the block, in launch order (the
+    launch plans' and decoding's launches)."""
+    from cuflash import _plan
+
+    launched = []
+    launch, launch_cupy = _plan.Kernel.launch, _plan.launch_cupy
+
+    def recording(self, drv, stream):
+        launched.append(self.variant)
+        return launch(self, drv, stream)
+
+    def recording_cupy(variant, *args, **kwargs):
+        launched.append(variant)
+        return launch_cupy(variant, *args, **kwargs)
+
+    _plan.Kernel.launch, _plan.launch_cupy = recording, recording_cupy
+    try:
+        yield launched
+    finally:
+        _plan.Kernel.launch, _plan.launch_cupy = launch, launch_cupy
+
+
+@contextlib.contextmanager
+def tma_refused():
+    """Inside the block the copy engine 'cannot map' any input, as for inputs it really cannot
+    take: the wgmma forward's launch falls back to its cp.async form. Plans are rebuilt on the
+    way in and out (their generation changes), so cached ones neither hide nor keep it."""
+    from cuflash import _config, _tma
+
+    encode = _tma.encode
+    _tma.encode = lambda *args, **kwargs: None
+    _config.GENERATION[0] += 1
+    try:
+        yield
+    finally:
+        _tma.encode = encode
+        _config.GENERATION[0] += 1

@@ -69,67 +69,40 @@ def test_compile_error_is_reported():
         compile_check.check(["sm_80"], [_BrokenVariant()])
 
 
+def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
+    """A shared-memory size that is not the kernel's layout, and a padding the kernel was not
+    written for, stop the build (static_assert) instead of reaching a GPU."""
+    import dataclasses
+
+    variant = _config.forward_config("bfloat16", 64, 64, False)
+    assert compile_check.check(["sm_80"], [variant], jobs=1)
+    wrong_size = _BrokenVariant()
+    wrong_size.name_expression = variant.name_expression.replace(f"{variant.smem_bytes()}>", f"{variant.smem_bytes() + 16}>")
+    assert wrong_size.name_expression != variant.name_expression
+    with pytest.raises(RuntimeError, match="TensorCoreForward.smem_bytes"):
+        _loader.compile_offline(variant.source, [wrong_size.name_expression], "sm_80")
+    monkeypatch.setattr(_config, "SMEM_PAD", 16)
+    padded = dataclasses.replace(variant)  # smem_bytes follows the new padding: only the pad is wrong
+    with pytest.raises(RuntimeError, match="one 16-byte chunk of padding"):
+        _loader.compile_offline(padded.source, [padded.name_expression], "sm_80")
+    monkeypatch.undo()
+    hopper = _config.forward_config("bfloat16", 128, 128, False, wgmma=True)
+    monkeypatch.setattr(_config.HopperForward, "block_rows", 192)
+    with pytest.raises(RuntimeError, match="two consumer warpgroups"):
+        _loader.compile_offline(hopper.source, [hopper.name_expression], "sm_90a")
+
+
 class _BrokenVariant:
     source = "flash_fwd.cu"
     key = "broken"
     name_expression = "cuflash::flash_fwd_kernel<cuflash::bf16, 24, 24, 128, 64, 8, 1, false>"
 
 
-def test_bulk_dq_follows_the_head_dim_unless_forced():
-    def bulk(d):
-        return _config.backward_plan("bfloat16", d, d, False, False, wgmma=True).key_passes[0].bulk_dq
+def test_bulk_dq_follows_the_head_dim():
+    """The wgmma backward's atomic dQ by bulk reductions at head dim 128 only (measured: a win
+    there, a loss at 64); deterministic dQ has no atomics to replace."""
+    def key_pass(d, deterministic):
+        return _config.backward_plan("bfloat16", d, d, False, deterministic, wgmma=True).key_passes[0]
 
-    assert [bulk(64), bulk(128)] == [_config._SM90_BULK_DQ[64], _config._SM90_BULK_DQ[128]] == [False, True]
-    for forced in (False, True):
-        with _config.sm90_bulk_dq(forced):
-            assert [bulk(64), bulk(128)] == [forced, forced]
-    assert _config.backward_plan("bfloat16", 128, 128, False, True, wgmma=True).key_passes[0].bulk_dq is False
-
-
-def _probe_forms():
-    """The persistent TMA forms with the probe switches on, at each head dim's scheduling (bf16):
-    early_next everywhere, snake (with and without it) causal."""
-    forms = []
-    for d, (bc, stages, overlap, pingpong, _, _) in sorted(_config._SM90_FORWARD_TILES.items()):
-        for early, snake, causals in ((True, False, (False, True)), (False, True, (True,)), (True, True, (True,))):
-            with _config.sm90_tiles_override({d: (bc, stages, overlap, pingpong, True, True)}), \
-                    _config.sm90_early_next_override({d: early}), _config.sm90_snake_override({d: snake}):
-                for causal in causals:
-                    for sparse in (False, True) if not snake else (False,):
-                        forms.append(_config.forward_config("bfloat16", d, d, causal, sparse=sparse, wgmma=True, nq=4096))
-    return forms
-
-
-def test_probe_forms_build_within_budget():
-    """Off by default (untimed), but a probe or a test may pick them: they must build for
-    sm_90a within their spill allowance, with no serialized wgmma."""
-    forms = _probe_forms()
-    assert len({v.key for v in forms}) == len(forms) == 18
-    assert all(v.loads_early or v.walks_snake for v in forms)
-    reports = compile_check.check(["sm_90a"], forms, chunk=2)
-    over = [(v.key, r["spill_stores"]) for v, _, r in reports if r["spill_stores"] > compile_check.spill_budget(v)]
-    assert not over, over
-    assert not [v.key for v, _, r in reports if _loader.serializes_wgmma(r)]
-
-
-def test_probe_switches_apply_only_where_they_mean_something():
-    import dataclasses
-
-    variants = _config.all_variants(True, True)
-    assert not any(getattr(v, "loads_early", False) or getattr(v, "walks_snake", False) for v in variants)
-    with _config.sm90_early_next_override({128: True}), _config.sm90_snake_override({128: True}):
-        long = _config.forward_config("bfloat16", 128, 128, True, wgmma=True, nq=2**20)
-        short = _config.forward_config("bfloat16", 128, 128, True, wgmma=True, nq=1024)
-    assert not long.persistent and not (long.early_next or long.snake)
-    assert short.loads_early and short.walks_snake and short.key.endswith("_n1_z1")
-    assert short.name_expression.endswith(", 0, true, true>")
-    # The dispatcher's fallbacks: cp.async keeps the snake order but cannot load early; one
-    # item a CTA has neither. Names and keys follow.
-    cp_async = dataclasses.replace(short, tma=False)
-    assert not cp_async.loads_early and cp_async.walks_snake
-    assert cp_async.key.endswith("_z1") and cp_async.name_expression.endswith(", 0, false, true>")
-    single = dataclasses.replace(short, persistent=False)
-    assert not (single.loads_early or single.walks_snake) and single.name_expression.endswith(", 0>")
-    with _config.sm90_early_next_override({128: True}):
-        early_only = _config.forward_config("bfloat16", 128, 128, False, wgmma=True, nq=1024)
-    assert early_only.key.endswith("_n1") and early_only.name_expression.endswith(", 0, true>")
+    assert [key_pass(64, False).bulk_dq, key_pass(128, False).bulk_dq] == [False, True]
+    assert not key_pass(128, True).bulk_dq

@@ -7,6 +7,8 @@ warpgroups, grouped heads and strided inputs through its loader, block-sparse li
 windows, and the same inputs through the mma.sync kernel for comparison. Skipped elsewhere.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from conftest import requires_gpu, requires_wgmma
 from cuflash import _config
 from cuflash import masks as M
 from cuflash import reference as ref
-from gpu_util import check_forward, random_array, to_device
+from gpu_util import check_forward, launched_variants, random_array, to_device, tma_refused
 
 pytestmark = [requires_gpu, requires_wgmma, pytest.mark.usefixtures("poisoned_pool")]
 
@@ -54,54 +56,59 @@ def test_lengths(dtype, d, causal, rng):
         check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
 
 
-# (block_cols, stages, overlap, pingpong, tma, persistent): every scheduling form the kernel has.
-MODES = ((128, 3, False, True, True, True), (128, 3, False, False, False, False), (128, 3, True, True, True, False),
-         (128, 2, True, False, False, True), (64, 3, False, True, True, True), (128, 3, False, True, False, True),
-         (128, 2, False, False, True, False), (128, 3, True, False, True, False))
-
-
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "bc{}_s{}_o{:d}_p{:d}_t{:d}_r{:d}".format(*m))
-@pytest.mark.parametrize("d", (64, 128))
-def test_every_schedule(d, mode, rng):
+# Each head dim's schedule in every form its launch can take: loaded through TMA, or through
+# cp.async where the copy engine cannot map the inputs; a persistent grid for at most 1024
+# query rows where the table says so (head dims 64 and 128), one item a CTA beyond.
+@pytest.mark.parametrize("loads", ("tma", "cp.async"))
+@pytest.mark.parametrize("nq", (1000, 1100), ids=("short", "long"))
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_every_form(d, nq, loads, rng):
     dtype = "bfloat16"
-    q = random_array(rng, (2, 3, 1000, d), dtype)
+    persistent = _config.forward_config(dtype, d, d, False, wgmma=True, nq=nq).persistent
+    assert persistent == (d != 256 and nq <= 1024)  # both grids are covered below
+    q = random_array(rng, (2, 3, nq, d), dtype)
     k, v = (random_array(rng, (2, 3, 777, d), dtype) for _ in range(2))
-    with _config.sm90_tiles_override({d: mode}):
+    refused = tma_refused() if loads == "cp.async" else contextlib.nullcontext()
+    with launched_variants() as launched, refused:
         for causal in (False, True):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
+    forms = {(v.tma, v.persistent, v.causal) for v in launched if isinstance(v, _config.HopperForward)}
+    assert forms == {(loads == "tma", persistent, causal) for causal in (False, True)}
 
 
-@pytest.mark.parametrize("early, snake", ((False, False), (True, False), (False, True), (True, True)),
-                         ids=("plain", "early_next", "snake", "early_next_snake"))
-@pytest.mark.parametrize("d", (64, 128, 256))
-def test_persistent_grid_walks_many_items(d, early, snake, rng):
-    """The persistent forms with several (query tile, slice) items a CTA, which one K/V ring and
-    one Q buffer serve in turn, so that a phase or hand-off error shows only from a CTA's
-    second item on (test_every_schedule's inputs give each CTA one item on an H200): four items
-    a CTA, of different key-tile counts (causal, Nq < Nk), one-tile items and items with no
-    tile at all (a block mask's empty row: nothing is loaded, the rows get o = 0), in each
-    order (snake) and hand-off (early_next) the probes can pick."""
+@pytest.mark.parametrize("d", (64, 128))
+def test_persistent_grid_walks_many_items(d, rng):
+    """The persistent forms with two items or more a CTA, which one K/V ring and one Q buffer
+    serve in turn, so that a phase or hand-off error shows only from a CTA's second item on
+    (test_every_form's inputs give each CTA one item on an H200): items of different key-tile
+    counts (causal, Nq < Nk), one-tile items and items with no tile at all (a block mask's
+    empty row: nothing is loaded, the rows get o = 0).
+
+    CTA c takes items c, c + grid, ...; the last heads' items come last (causal: all but
+    their last query tile), so they are second items, and only those heads are checked
+    against the reference, which costs seconds a call on the host for all of them."""
     import cupy
 
     from cuflash._plan import sm_count as _sm_count
 
     dtype = "bfloat16"
     sms = _sm_count(cupy.cuda.Device().id)  # the persistent grid's size
-    nq, nk = 300, 400  # 3 query tiles a head; 4 key tiles of 128 (7 of 64)
-    heads = -(-4 * sms // 3)
+    nq, nk = 300, 400  # 3 query tiles a head; 4 key tiles of 128
+    heads = -(-2 * sms // 3)  # 3 * heads >= 2 * sms items
+    assert _config.forward_config(dtype, d, d, False, wgmma=True, nq=nq).persistent
     q = random_array(rng, (1, heads, nq, d), dtype)
     k, v = (random_array(rng, (1, heads, nk, d), dtype) for _ in range(2))
     mask = M.BlockMask.from_dense(np.array([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool), 128)
     elements = ref.element_mask(nq, nk, block_mask=mask)
-    bc, stages, overlap, pingpong, _, _ = _config._SM90_FORWARD_TILES[d]
-    with _config.sm90_tiles_override({d: (bc, stages, overlap, pingpong, True, True)}), \
-            _config.sm90_early_next_override({d: early}), _config.sm90_snake_override({d: snake}):
-        variant = _config.forward_config(dtype, d, d, False, wgmma=True, nq=nq)
-        assert variant.persistent and variant.loads_early == early and variant.walks_snake == snake
-        for causal in (False, True):
-            check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
-            check_forward(run(q, k, v, causal=causal, block_mask=mask), q, k, v, causal=causal, dtype=dtype,
-                          mask=elements)
+    last = slice(heads - 4, heads)
+
+    def check(out, causal, **kwargs):
+        check_forward(tuple(x[:, last] for x in out), q[:, last], k[:, last], v[:, last], causal=causal,
+                      dtype=dtype, **kwargs)
+
+    for causal in (False, True):
+        check(run(q, k, v, causal=causal), causal)
+        check(run(q, k, v, causal=causal, block_mask=mask), causal, mask=elements)
 
 
 @pytest.mark.parametrize("d", (64, 128))
@@ -161,29 +168,3 @@ def test_block_sparse(d, block_size, rng):
     for causal in (False, True):
         out = run(q, k, v, causal=causal, block_mask=mask)
         check_forward(out, q, k, v, causal=causal, dtype=dtype, mask=elements)
-
-
-@pytest.mark.parametrize("every", (1, 2, 4))
-@pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("dtype", DTYPES16)
-def test_exp_emulation(dtype, d, every, rng):
-    """Exponentials on the FMA pipe (poly_exp2) for every `every`-th accumulator tile: within
-    the error rule, rows without keys still o = 0, l = 0, m = -inf (Nq > Nk, causal), and a
-    NaN score still makes its row NaN."""
-    from gpu_util import to_host64
-
-    q = random_array(rng, (2, 3, 700, d), dtype)
-    k, v = (random_array(rng, (2, 3, 500, d), dtype) for _ in range(2))
-    with _config.sm90_exp_emulation_override({d: every}):
-        assert _config.forward_config(dtype, d, d, False, wgmma=True).exp_emulation == every
-        for causal in (False, True):
-            out = run(q, k, v, causal=causal)
-            check_forward(out, q, k, v, causal=causal, dtype=dtype)
-        empty = slice(0, 200)  # causal, Nq - Nk = 200: these rows see no key
-        o, l, m = (to_host64(x) for x in out)
-        assert (o[:, :, empty] == 0).all() and (l[:, :, empty] == 0).all() and np.isneginf(m[:, :, empty]).all()
-        k_nan = k.copy()
-        k_nan[1, 2, 77, 5] = np.nan  # key 77: accumulator tile 9, emulated when every is 1 or 2
-        o = to_host64(run(q, k_nan, v).o)
-        assert np.isnan(o[1, 2]).all() and np.isfinite(np.delete(o, 2, axis=1)).all()
-

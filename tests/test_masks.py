@@ -4,7 +4,6 @@ block-sparse reference (forward and backward)."""
 import doctest
 import gc
 import itertools
-import re
 import struct
 import zlib
 
@@ -748,15 +747,6 @@ def test_tile_lists_at_64k_are_fast():
     # 64-key halves of every present block on or below the diagonal.
     assert not (fwd.lists & M.PARTIAL_TILE).any() and not (bwd.lists & M.PARTIAL_TILE).any()
     assert fwd.counts.sum() == 2 * np.tril(bm.to_dense()).sum()
-
-
-def test_partial_tile_flag_matches_the_kernel_header():
-    from cuflash import _loader
-
-    header = (_loader.KERNEL_DIR / "common.cuh").read_text()
-    match = re.search(r"constexpr int kPartialTile = ([^;]+);", header)
-    assert match, "kPartialTile not found in kernels/common.cuh"
-    assert eval(match.group(1), {}) == M.PARTIAL_TILE  # a literal such as 1 << 30
 
 
 def test_tokens_name_live_masks():

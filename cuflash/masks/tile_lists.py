@@ -8,6 +8,8 @@ from typing import Any, NamedTuple, Tuple
 
 import numpy as np
 
+from .._config import PARTIAL_TILE
+
 
 def _compact_lists(present: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Per-row lists of the present columns of ``present`` (..., T, U).
@@ -38,10 +40,9 @@ def _read_only(x: np.ndarray) -> np.ndarray:
     return x
 
 
-# Flag bit of a tile-list entry whose tile straddles present and absent blocks: the kernel must
-# then look the block of every element up.  Must equal kPartialTile in kernels/common.cuh
-# (tests/test_masks.py reads the header to check).
-PARTIAL_TILE = 1 << 30
+# PARTIAL_TILE (from _config, which passes it to the kernels as kPartialTile) flags a tile-list
+# entry whose tile straddles present and absent blocks: the kernel must then look the block of
+# every element up.
 
 
 class TileLists(NamedTuple):
