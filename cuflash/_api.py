@@ -99,12 +99,6 @@ _forward_calls: dict = {}
 _backward_calls: dict = {}
 
 
-def _remember(cache, key, plan):
-    if len(cache) >= _plan._MAX_PLANS:
-        cache.pop(next(iter(cache)))
-    cache[key] = plan
-
-
 def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
     device = _one_device((q, k, v), "q, k and v")
@@ -203,7 +197,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
     if plan is None:
         plan = _forward_plan(q, k, v, causal, scale, block_mask, block_size, window)
         if key is not None:
-            _remember(_forward_calls, key, plan)
+            _plan.remember(_forward_calls, key, plan)
     if plan.decode:
         return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window)
     stream, current = _stream_on(plan.device_id)
@@ -283,7 +277,7 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
     if plan is None:
         plan = _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window)
         if key is not None:
-            _remember(_backward_calls, key, plan)
+            _plan.remember(_backward_calls, key, plan)
     do, q, k, v, o, l, m = arrays
     stream, current = _stream_on(plan.device_id)
     with (_current_device() if current else cupy.cuda.Device(plan.device_id)):

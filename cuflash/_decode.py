@@ -363,9 +363,7 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
                                seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id),
                                ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
             if key is not None:
-                if len(_plans) >= _plan._MAX_PLANS:
-                    _plans.pop(next(iter(_plans)))
-                _plans[key] = plan
+                _plan.remember(_plans, key, plan)
         return run_plan(plan, q, k, v, page_table=page_table, seqlens_k=seqlens_k)
 
 

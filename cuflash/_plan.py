@@ -573,6 +573,14 @@ _backward_plans: dict = {}
 _build_lock = threading.Lock()
 
 
+def remember(cache: dict, key, plan):
+    """Keep ``plan`` under ``key``, dropping the oldest entry past _MAX_PLANS (the front ends'
+    caches of raw call signatures use it too)."""
+    if len(cache) >= _MAX_PLANS:
+        cache.pop(next(iter(cache)))
+    cache[key] = plan
+
+
 def _cached(cache, key, build):
     plan = cache.get(key)
     if plan is None:
@@ -580,9 +588,7 @@ def _cached(cache, key, build):
             plan = cache.get(key)
             if plan is None:
                 plan = build()
-                if len(cache) >= _MAX_PLANS:
-                    cache.pop(next(iter(cache)))
-                cache[key] = plan
+                remember(cache, key, plan)
     return plan
 
 

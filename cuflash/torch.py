@@ -54,12 +54,6 @@ _forward_calls: dict = {}
 _backward_calls: dict = {}
 
 
-def _remember(cache, key, plan):
-    if len(cache) >= _plan._MAX_PLANS:
-        cache.pop(next(iter(cache)))
-    cache[key] = plan
-
-
 def _forward_impl(q, k, v, causal, scale, mask, window):
     """o, l, m of cuflash's forward on torch's current stream; outputs from torch's allocator."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
@@ -71,7 +65,7 @@ def _forward_impl(q, k, v, causal, scale, mask, window):
         plan = _plan.forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
                                   dtype, device.index, causal, scale, mask, window,
                                   (q.data_ptr(), k.data_ptr(), v.data_ptr()))
-        _remember(_forward_calls, key, plan)
+        _plan.remember(_forward_calls, key, plan)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
@@ -103,7 +97,7 @@ def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None
                                        seqlens_k=views[4], num_splits=num_splits,
                                        sm_count=_plan.sm_count(device.index),
                                        ctas_per_sm=lambda variant: _decode._ctas_per_sm(variant, device.index))
-            _remember(_decode_plans, key, plan)
+            _plan.remember(_decode_plans, key, plan)
         o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
         l = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)
         m = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)
@@ -139,7 +133,7 @@ def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, determinis
         plan = _plan.backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main), dtype,
                                    stats, device.index, causal, scale, mask, window, deterministic,
                                    tuple(t.data_ptr() for t in main))
-        _remember(_backward_calls, key, plan)
+        _plan.remember(_backward_calls, key, plan)
     device = q.device
     grads = [None if g.kind == "generic" else torch.empty(g.shape, dtype=q.dtype, device=device)
              for g in plan.grads]
