@@ -7,6 +7,9 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
+from .. import _broadcast
+
+
 class BroadcastPlan(NamedTuple):
     """How q, k and v leading (batch) shapes combine.
 
@@ -18,13 +21,6 @@ class BroadcastPlan(NamedTuple):
     batch_shape: Tuple[int, ...]
     kv_shape: Tuple[int, ...]
     group_size: int
-
-
-def _broadcast_or_raise(message: str, *shapes: Tuple[int, ...]) -> Tuple[int, ...]:
-    try:
-        return tuple(np.broadcast_shapes(*shapes))
-    except ValueError:
-        raise ValueError(message) from None
 
 
 def broadcast_plan(q_shape, k_shape, v_shape) -> BroadcastPlan:
@@ -50,29 +46,11 @@ def broadcast_plan(q_shape, k_shape, v_shape) -> BroadcastPlan:
             f"k.shape={k_shape}, v.shape={v_shape}"
         )
 
-    q_lead, k_lead, v_lead = q_shape[:-2], k_shape[:-2], v_shape[:-2]
-    kv_shape = _broadcast_or_raise(
-        f"leading (batch) dimensions of k and v do not broadcast: "
-        f"k.shape={k_shape}, v.shape={v_shape}",
-        k_lead,
-        v_lead,
-    )
-
-    group_size = 1
-    grouped_kv_shape = kv_shape
-    if q_lead and kv_shape:
-        hq, hk = q_lead[-1], kv_shape[-1]
-        if hk > 1 and hk != hq and hq % hk == 0:
-            group_size = hq // hk
-            grouped_kv_shape = kv_shape[:-1] + (hq,)
-
-    batch_shape = _broadcast_or_raise(
-        f"leading (batch) dimensions of q and k/v do not broadcast "
-        f"(grouped heads need Hq % Hk == 0): "
-        f"q.shape={q_shape}, k.shape={k_shape}, v.shape={v_shape}",
-        q_lead,
-        grouped_kv_shape,
-    )
+    # The rule itself is cuflash's one (cuflash/_broadcast.py), which the kernels' launches use.
+    batch_shape = _broadcast.out_lead_shape(q_shape, k_shape, v_shape)
+    kv_shape = tuple(np.broadcast_shapes(k_shape[:-2], v_shape[:-2]))
+    q_lead = q_shape[:-2]
+    group_size = _broadcast.kv_group(q_lead[-1], kv_shape[-1]) if q_lead and kv_shape else 1
     return BroadcastPlan(batch_shape, kv_shape, group_size)
 
 

@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .broadcasting import _broadcast_or_raise, _reduce_kv_grad, _sum_to_shape, broadcast_plan, expand_kv
+from .broadcasting import _reduce_kv_grad, _sum_to_shape, broadcast_plan, expand_kv
 
 class ReferenceOutput(NamedTuple):
     """Attention result: ``o`` (*batch, Nq, dv), ``l`` and ``m`` (*batch, Nq)."""
@@ -36,11 +36,10 @@ def allowed_keys(nq: int, nk: int, *, causal: bool = False, mask=None, batch_sha
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:
             raise TypeError(f"mask must be a boolean array (True = allowed), got dtype {mask.dtype}")
-        combined = _broadcast_or_raise(
-            f"mask.shape={mask.shape} does not broadcast to (*batch, Nq, Nk)={target}",
-            mask.shape,
-            target,
-        )
+        try:
+            combined = tuple(np.broadcast_shapes(mask.shape, target))
+        except ValueError:
+            combined = None
         if combined != target:
             raise ValueError(f"mask.shape={mask.shape} does not broadcast to (*batch, Nq, Nk)={target}")
         allowed = allowed & mask
