@@ -97,6 +97,7 @@ def _stream_on(device_id):
 # array as block_mask, a list as window) take the normalising path every time.
 _forward_calls: dict = {}
 _backward_calls: dict = {}
+DECODE_MIN_KEYS = 256  # the shortest key range a call with few queries sends to the split-KV path
 
 
 def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
@@ -107,8 +108,10 @@ def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
                               _element_strides(v), dtype, device, causal, scale, mask, window_option(window),
                               (q.data.ptr, k.data.ptr, v.data.ptr))
     # A few queries a head against many keys: the split-KV decoding kernels stream K and V on
-    # every SM, where the forward's 128-row query tiles would occupy a handful of CTAs.
-    plan.decode = mask is None and plan.kernel is not None and _decode.supports(q, k, v)
+    # every SM, where the forward's 128-row query tiles would occupy a handful of CTAs. Below
+    # DECODE_MIN_KEYS the keys fit a tile or two of the forward: nothing to split.
+    plan.decode = (mask is None and plan.kernel is not None and k.shape[-2] >= DECODE_MIN_KEYS
+                   and _decode.supports(q, k, v))
     return plan
 
 
@@ -161,8 +164,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             cache. Causal and window are aligned at each sequence's end. See
             :func:`cuflash._decode.decode_attention` for the rules on out-of-range values.
         num_splits: the split-KV decoding path's number of key splits (None: chosen from the
-            shapes and the SM count). Calls with 1-16 queries a head (16-bit, head dims up to
-            128, no block mask) take that path on their own.
+            shapes and the SM count). Calls with 1-16 queries a head against at least 256 keys
+            (16-bit, head dims up to 128, no block mask) take that path on their own.
 
     Returns:
         AttentionOutput(o, l, m) of CuPy arrays: o (..., Nq, dv) in q's dtype, l and m
