@@ -108,8 +108,9 @@ class Kernel:
         self.lists = None  # block-sparse tile lists on the device, kept alive with the launch
 
     def launch(self, drv, stream):
-        _check(drv.cuLaunchKernel(self.func, *self.grid, *self.block, self.smem, stream, self.argv, None),
-               f"launching {self.variant.key}")
+        status = drv.cuLaunchKernel(self.func, *self.grid, *self.block, self.smem, stream, self.argv, None)
+        if status:  # the message (the variant's key) is built only for an error
+            _check(status, f"launching {self.variant.key}")
 
 
 def _device(device_id):
