@@ -227,3 +227,13 @@ def test_empty_problems_zero_the_gradients(fake_gpu):
     plan = _backward(shape=(2, 4, 0, 64), kv_shape=(2, 4, 256, 64))
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0, 5)
     assert not fake_gpu.launches and len(fake_gpu.memsets) == 2  # dq has no elements
+
+
+def test_a_failed_launch_names_the_variant(fake_gpu, monkeypatch):
+    plan = _forward()
+    monkeypatch.setattr(fake_gpu, "cuLaunchKernel", lambda *args: 700)
+    monkeypatch.setattr(fake_gpu, "cuGetErrorName",
+                        lambda status, out: setattr(out._obj, "value", b"CUDA_ERROR_ILLEGAL_ADDRESS") or 0,
+                        raising=False)
+    with pytest.raises(RuntimeError, match=rf"launching {plan.variant.key} failed: CUDA_ERROR_ILLEGAL_ADDRESS \(700\)"):
+        plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
