@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _broadcast, _checks, _config, _decode, _plan, _views
-from ._checks import NO_WINDOW, as_block_mask  # noqa: F401  (the adapters' imports)
+from ._checks import as_block_mask
 from .masks import window_option
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 

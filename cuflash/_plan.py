@@ -19,9 +19,8 @@ import functools
 import math
 import struct
 import threading
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
-import numpy as np
 
 from . import _checks, _config, _loader, _tma
 from ._broadcast import broadcast_layout

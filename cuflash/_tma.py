@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import struct
 from typing import Optional
 
 

@@ -20,13 +20,10 @@ XLA reserves 75% of the GPU by default; for large problems leave CuPy more room 
 """
 
 import functools
-import math
 
 import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
-
-import cuflash as _cf
 
 from . import _api, _broadcast, _checks, _plan
 

@@ -20,8 +20,9 @@ from typing import Optional, Tuple
 import torch
 
 from . import _broadcast, _checks, _config, _decode, _plan, _views
-from ._api import NO_WINDOW, AttentionOutput, as_block_mask, window_option
-from .masks import BlockMask
+from ._api import AttentionOutput
+from ._checks import NO_WINDOW, as_block_mask
+from .masks import BlockMask, window_option
 
 __all__ = ["attention"]
 
