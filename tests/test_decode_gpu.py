@@ -302,3 +302,21 @@ def test_run_plan_writes_the_given_buffers(rng):
     check(_api.AttentionOutput(*got), q, k, v, lengths, dtype)
     with pytest.raises(ValueError, match="workspace ws_o must be a contiguous float32 array of at least"):
         _decode.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens, workspace=(workspace[1],) * 3, out=out)
+
+
+@requires_gpu
+@pytest.mark.parametrize("nk,expected", ((512, "decode"), (128, "fwd")))
+def test_short_queries_take_the_split_kv_path_from_decode_min_keys(nk, expected):
+    """cuflash.attention routes 1-16 queries a head to the split-KV kernels from
+    _api.DECODE_MIN_KEYS keys on, and keeps shorter key ranges on the forward."""
+    import cuflash
+    from cuflash import _api
+    from gpu_util import launched_variants
+
+    assert (nk >= _api.DECODE_MIN_KEYS) == (expected == "decode")
+    rng = np.random.default_rng(nk)
+    q = to_device(random_array(rng, (2, 8, 1, 128), "bfloat16"))
+    k, v = (to_device(random_array(rng, (2, 2, nk, 128), "bfloat16")) for _ in range(2))
+    with launched_variants() as launched:
+        cuflash.attention(q, k, v)
+    assert launched and launched[0].key.startswith(expected + "_"), [x.key for x in launched]
