@@ -7,6 +7,7 @@ and hands the plan their pointers and CuPy's current stream.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -204,15 +205,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
     if plan.decode:
         return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window)
     stream, current = _stream_on(plan.device_id)
-    if current:
+    with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         o = cupy.empty(plan.o_shape, dtype=q.dtype)
         l = cupy.empty(plan.stats_shape, dtype=np.float32)
         m = cupy.empty(plan.stats_shape, dtype=np.float32)
-    else:
-        with cupy.cuda.Device(plan.device_id):
-            o = cupy.empty(plan.o_shape, dtype=q.dtype)
-            l = cupy.empty(plan.stats_shape, dtype=np.float32)
-            m = cupy.empty(plan.stats_shape, dtype=np.float32)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream)
     return AttentionOutput(o, l, m)
 
@@ -283,7 +279,7 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
             _plan.remember(_backward_calls, key, plan)
     do, q, k, v, o, l, m = arrays
     stream, current = _stream_on(plan.device_id)
-    with (_current_device() if current else cupy.cuda.Device(plan.device_id)):
+    with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         grads = [None if g.kind == "generic" else cupy.empty(g.shape, dtype=q.dtype) for g in plan.grads]
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = workspace.ptr if workspace is not None else 0
@@ -294,13 +290,3 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
                 grads[index] = _broadcast.reduce_to(acc, plan.out_lead, g.shape, g.group, _sum_keeping).astype(q.dtype)
     return AttentionGradients(*grads)
-
-
-class _current_device:
-    """A no-op context: the plan's device is already current."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -417,9 +417,7 @@ class BackwardPlan:
                     if nbytes:
                         _check(drv.cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
                 return
-            # A 'generic' gradient's accumulator is the caller's buffer when it gives one.
-            accs = [ptr if g.kind == "direct" or (g.kind == "generic" and ptr) else workspace + g.offset
-                    for ptr, g in zip(outs, self.grads)]
+            accs = [ptr if g.kind == "direct" else workspace + g.offset for ptr, g in zip(outs, self.grads)]
             lse2, delta = workspace, workspace + self.delta_offset
             for block in self.fwd_blocks:
                 block[0:6] = (q, k, v, o, l, m)
@@ -547,6 +545,15 @@ def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad):
         grads.append(GradientOut(kind, end, acc_shape, group, tuple(shape)))
         end += _align(4 * math.prod(acc_shape))
     return tuple(grads), delta_offset, end
+
+
+def contiguous_strides(shape) -> tuple:
+    """Row-major element strides of ``shape`` (the layout XLA gives a custom call's operands)."""
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _align(n: int) -> int:

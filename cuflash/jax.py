@@ -34,14 +34,6 @@ def _pointer(buf) -> int:
     return buf.__cuda_array_interface__["data"][0]
 
 
-def _contiguous(shape) -> tuple:
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 class _StreamHandle:
     """XLA's stream pointer dressed in the CUDA stream protocol, for Stream.from_external."""
 
@@ -73,8 +65,8 @@ def _forward_plan(q, k, v, device, options):
         causal, scale, mask, window = options
         dtype = _checks.dtype_name(q.dtype)
         plan = _plan.forward_plan(
-            tuple(q.shape), _contiguous(q.shape), tuple(k.shape), _contiguous(k.shape), tuple(v.shape),
-            _contiguous(v.shape), dtype, device, causal, scale, mask, window,
+            tuple(q.shape), _plan.contiguous_strides(q.shape), tuple(k.shape), _plan.contiguous_strides(k.shape), tuple(v.shape),
+            _plan.contiguous_strides(v.shape), dtype, device, causal, scale, mask, window,
             (_pointer(q), _pointer(k), _pointer(v)))
         _plans[key] = plan
     return plan
@@ -86,9 +78,9 @@ def _backward_plan(args, device, options, deterministic):
     if plan is None:
         causal, scale, mask, window = options
         main = (args[0], args[1], args[2], args[3], args[4])
-        stats = tuple((tuple(x.shape), _contiguous(x.shape), "float32") for x in args[5:])
+        stats = tuple((tuple(x.shape), _plan.contiguous_strides(x.shape), "float32") for x in args[5:])
         plan = _plan.backward_plan(
-            tuple(tuple(x.shape) for x in main), tuple(_contiguous(x.shape) for x in main),
+            tuple(tuple(x.shape) for x in main), tuple(_plan.contiguous_strides(x.shape) for x in main),
             _checks.dtype_name(args[1].dtype), stats, device, causal, scale, mask, window,
             deterministic, tuple(_pointer(x) for x in main))
         _plans[key] = plan

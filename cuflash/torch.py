@@ -14,6 +14,7 @@ allocator, so the calls are capturable in CUDA graphs.
 """
 
 import collections
+import math
 import threading
 from typing import Optional, Tuple
 
@@ -144,10 +145,7 @@ def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, determinis
              *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index))
     for index, g in enumerate(plan.grads):
         if g.kind == "generic":  # broadcast inputs: summed back by torch
-            count = 1
-            for n in g.acc_shape:
-                count *= n
-            acc = workspace[g.offset:g.offset + 4 * count].view(torch.float32).view(g.acc_shape)
+            acc = workspace[g.offset:g.offset + 4 * math.prod(g.acc_shape)].view(torch.float32).view(g.acc_shape)
             grads[index] = _broadcast.reduce_to(acc, plan.out_lead, g.shape, g.group, _sum_keeping).to(q.dtype)
     return tuple(grads)
 
