@@ -81,6 +81,17 @@ def _torch_inputs(torch, shape, seed, requires_grad=True):
             for _ in range(3)]
 
 
+def _warm_up_for_capture(torch, step):
+    """Run ``step`` twice on a side stream, as torch.cuda.graph capture wants: plans, kernels and
+    allocator blocks exist before capture begins."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 @torch_gpu
 def test_torch_cuda_graph_replays_forward_and_backward_bit_identical():
     torch = pytest.importorskip("torch")
@@ -98,12 +109,7 @@ def test_torch_cuda_graph_replays_forward_and_backward_bit_identical():
             out.backward(do)
             return out
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        _warm_up_for_capture(torch, step)
         eager = step().detach().clone()
         eager_grads = [x.grad.clone() for x in (q, k, v)]
         graph = torch.cuda.CUDAGraph()
@@ -186,12 +192,7 @@ def test_torch_decode_step_captured_in_a_cuda_graph():
     def step():
         return ct.attention(q, k_cache, v_cache, page_table=page_table, seqlens_k=seqlens, return_stats=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    _warm_up_for_capture(torch, step)
     eager = [x.clone() for x in step()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
