@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -45,12 +46,6 @@ _COMBINE_PARAM_FIELDS = (
     ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
     ("total_rows", "q"), ("dv", "q"), ("num_splits", "q"), ("scale", "d"), ("scale_log2", "d"),
 )
-
-
-def _pack(fields, values: dict) -> np.void:
-    """A kernel's parameter struct as bytes (every member 8 bytes, in the header's order)."""
-    fmt = "<" + "".join(kind for _, kind in fields)
-    return np.void(struct.pack(fmt, *(values[name] for name, _ in fields)))
 
 
 class DecodePlan(NamedTuple):
@@ -372,48 +367,100 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
 _plans: dict = {}
 
 
+class DecodeLaunch:
+    """A plan's launches with their parameter blocks bound once (cuflash/_plan.py's Kernel): a
+    call writes its pointers into the blocks and launches, packing nothing.
+
+    ``run`` takes raw pointers: q, k, v, o, l, m, the page table and lengths (0 = none), and
+    ``workspace``, the start of :attr:`workspace_bytes` of device memory for the splits'
+    partial results (ignored with one split)."""
+
+    def __init__(self, plan: DecodePlan, device_id: int):
+        self.plan = plan
+        zero = {name: 0 for name, kind in _DECODE_PARAM_FIELDS if kind == "Q"}
+        block = _plan._words(struct.pack(_fmt(_DECODE_PARAM_FIELDS), *(
+            {**plan.fields, **zero}[name] for name, _ in _DECODE_PARAM_FIELDS)))
+        self.kernel = _plan.Kernel(plan.variant, device_id, _plan.slice_grid(plan.grid_x, plan.num_bh), [block],
+                                   plan.d, plan.dv)
+        split_rows = plan.num_splits * plan.total_rows
+        self.ws_l_offset = _align(4 * split_rows * plan.dv)  # ws_o, then ws_l, then ws_m
+        self.ws_m_offset = self.ws_l_offset + _align(4 * split_rows)
+        self.combine = None
+        self.workspace_bytes = 0
+        if plan.combine is not None:
+            self.workspace_bytes = self.ws_m_offset + _align(4 * split_rows)
+            combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=plan.total_rows, dv=plan.dv,
+                           num_splits=plan.num_splits, scale=plan.fields["scale"],
+                           scale_log2=plan.fields["scale_log2"])
+            block = _plan._words(struct.pack(_fmt(_COMBINE_PARAM_FIELDS), *(
+                combine[name] for name, _ in _COMBINE_PARAM_FIELDS)))
+            blocks = -(-plan.total_rows // plan.combine.warps)
+            self.combine = _plan.Kernel(plan.combine, device_id, (blocks, 1, 1), [block])
+        self.ctx = _plan.device_context(device_id)
+        self.lock = threading.Lock()
+
+    def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
+        if self.plan.total_rows == 0:
+            return
+        ws = (0, 0, 0)
+        if self.combine is not None:
+            ws = (workspace, workspace + self.ws_l_offset, workspace + self.ws_m_offset)
+        with self.lock, _plan.Context(self.ctx) as drv:
+            self.kernel.params[0][0:11] = (q, k, v, o, l, m, *ws, page_table, seqlens)
+            self.kernel.launch(drv, stream)
+            if self.combine is not None:
+                self.combine.params[0][0:6] = (*ws, o, l, m)
+                self.combine.launch(drv, stream)
+
+
+def _fmt(fields) -> str:
+    return "<" + "".join(kind for _, kind in fields)
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+# id(plan) -> (plan, DecodeLaunch): the plan is held so that its id is not reused.
+_launches: dict = {}
+
+
+def bound_launch(plan: DecodePlan, device_id: int) -> DecodeLaunch:
+    """The plan's :class:`DecodeLaunch` on ``device_id``, built once."""
+    entry = _launches.get((id(plan), device_id))
+    if entry is None:
+        entry = (plan, DecodeLaunch(plan, device_id))
+        _plan.remember(_launches, (id(plan), device_id), entry)
+    return entry[1]
+
+
 def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,
              out=None) -> _api.AttentionOutput:
-    """Launch a :func:`plan_decode` plan on arrays of the shapes and strides it was made for.
-    ``workspace``: (ws_o, ws_l, ws_m) float32 arrays of at least (num_splits * total_rows *
-    dv,) and (num_splits * total_rows,) elements, or None to take them from CuPy's pool;
-    ``out``: (o, l, m) to write, or None for new arrays. With both given a call allocates
-    nothing (what a captured CUDA graph needs)."""
+    """Launch a :func:`plan_decode` plan on CuPy arrays of the shapes and strides it was made
+    for, on CuPy's current stream. ``workspace``: a device buffer (cupy.cuda.MemoryPointer or
+    a float32 array) of at least ``bound_launch(plan, device).workspace_bytes`` bytes, or None
+    to take it from CuPy's pool; ``out``: (o, l, m) to write, or None for new arrays. With both
+    given a call allocates nothing (what a captured CUDA graph needs)."""
     import cupy
 
+    device_id = q.data.device_id
+    launch = bound_launch(plan, device_id)
     if out is None:
         o = cupy.empty(plan.out_shape, dtype=q.dtype)
         l = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
         m = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
     else:
         o, l, m = out
-    if plan.total_rows == 0:
-        return _api.AttentionOutput(o, l, m)
-    split_rows = plan.num_splits * plan.total_rows
-    if plan.combine is None:
-        ws_ptrs = (0, 0, 0)
-    else:
+    ws = 0
+    if launch.workspace_bytes:
         if workspace is None:
-            workspace = (cupy.empty(split_rows * plan.dv, cupy.float32), cupy.empty(split_rows, cupy.float32),
-                         cupy.empty(split_rows, cupy.float32))
-        for name, x, need in zip(("ws_o", "ws_l", "ws_m"), workspace, (split_rows * plan.dv, split_rows, split_rows)):
-            if x.dtype != np.float32 or x.size < need or not x.flags.c_contiguous:
-                raise ValueError(f"workspace {name} must be a contiguous float32 array of at least {need} "
-                                 f"elements, got {_shape_text(x)}")
-        ws_ptrs = tuple(x.data.ptr for x in workspace)
-    pointers = dict(
-        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=o.data.ptr, l=l.data.ptr, m=m.data.ptr,
-        ws_o=ws_ptrs[0], ws_l=ws_ptrs[1], ws_m=ws_ptrs[2],
-        page_table=0 if page_table is None else page_table.data.ptr,
-        seqlens=0 if seqlens_k is None else seqlens_k.data.ptr,
-    )
-    params = _pack(_DECODE_PARAM_FIELDS, {**plan.fields, **pointers})
-    _plan.launch_cupy(plan.variant, plan.grid_x, plan.num_bh, (params,), plan.d, plan.dv)
-    if plan.combine is not None:
-        combine = _pack(_COMBINE_PARAM_FIELDS, dict(
-            ws_o=ws_ptrs[0], ws_l=ws_ptrs[1], ws_m=ws_ptrs[2], o=o.data.ptr, l=l.data.ptr, m=m.data.ptr,
-            total_rows=plan.total_rows, dv=plan.dv, num_splits=plan.num_splits,
-            scale=plan.fields["scale"], scale_log2=plan.fields["scale_log2"]))
-        blocks = -(-plan.total_rows // plan.combine.warps)
-        _plan.launch_cupy(plan.combine, blocks, 1, (combine,), 0, 0)
+            workspace = cupy.cuda.alloc(launch.workspace_bytes)
+        elif isinstance(workspace, cupy.ndarray) and (not workspace.flags.c_contiguous
+                                                       or workspace.nbytes < launch.workspace_bytes):
+            raise ValueError(f"workspace must be a contiguous array of at least {launch.workspace_bytes} bytes, "
+                             f"got {_shape_text(workspace)}")
+        ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
+    launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
+               0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
+               ws, cupy.cuda.get_current_stream().ptr)
     return _api.AttentionOutput(o, l, m)

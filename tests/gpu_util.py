@@ -92,26 +92,22 @@ def check_backward(grads, do, q, k, v, *, causal, scale=None, dtype, mask=None):
 
 @contextlib.contextmanager
 def launched_variants():
-    """Records the variant of every kernel launched inside the block, in launch order (the
-    launch plans' and decoding's launches)."""
+    """Records the variant of every kernel launched inside the block, in launch order (every
+    launch goes through a bound cuflash._plan.Kernel)."""
     from cuflash import _plan
 
     launched = []
-    launch, launch_cupy = _plan.Kernel.launch, _plan.launch_cupy
+    launch = _plan.Kernel.launch
 
     def recording(self, drv, stream):
         launched.append(self.variant)
         return launch(self, drv, stream)
 
-    def recording_cupy(variant, *args, **kwargs):
-        launched.append(variant)
-        return launch_cupy(variant, *args, **kwargs)
-
-    _plan.Kernel.launch, _plan.launch_cupy = recording, recording_cupy
+    _plan.Kernel.launch = recording
     try:
         yield launched
     finally:
-        _plan.Kernel.launch, _plan.launch_cupy = launch, launch_cupy
+        _plan.Kernel.launch = launch
 
 
 @contextlib.contextmanager

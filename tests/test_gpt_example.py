@@ -6,6 +6,7 @@ attention op's rounding in bf16. Needs a GPU and PyTorch with CUDA.
 
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def test_both_attentions_print_tokens_per_second(gpt, capsys):
     assert gpt.main(["--steps", "12", "--log-every", "0", "--sample", "0"]) == 0  # --attn both
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("tokens/s: sdpa "))
-    sdpa, flash = (float(x.replace(",", "")) for x in
-                   (line.split("sdpa ")[1].split(",")[0], line.split("cuflash ")[1].split(" ")[0]))
+    found = re.match(r"tokens/s: sdpa ([\d,]+), cuflash ([\d,]+) ", line)
+    assert found, line
+    sdpa, flash = (float(x.replace(",", "")) for x in found.groups())  # thousands separated by commas
     assert sdpa > 0 and flash > 0 and f"(cuflash {flash / sdpa:.2f}x sdpa)" in line
     assert out.count("tokens/s after step 3") == 2

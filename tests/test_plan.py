@@ -17,16 +17,15 @@ class _FakeDriver:
         self.memsets = []
         self.current = 77  # the context current on the calling thread
 
-    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        params = []
-        for i in range(len(argv)):
-            words = ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_uint64))
-            params.append(tuple(words[j] for j in range(12)))
+    def launch_kernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv):
+        first = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]  # the first parameter block
+        words = ctypes.cast(first, ctypes.POINTER(ctypes.c_uint64))
+        params = [tuple(words[j] for j in range(12))]
         self.launches.append(dict(func=func, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
                                   stream=stream, params=params))
         return 0
 
-    def cuMemsetD8Async(self, ptr, value, nbytes, stream):
+    def memset_async(self, ptr, nbytes, stream):
         self.memsets.append((ptr, nbytes, stream))
         return 0
 
@@ -231,7 +230,7 @@ def test_empty_problems_zero_the_gradients(fake_gpu):
 
 def test_a_failed_launch_names_the_variant(fake_gpu, monkeypatch):
     plan = _forward()
-    monkeypatch.setattr(fake_gpu, "cuLaunchKernel", lambda *args: 700)
+    monkeypatch.setattr(fake_gpu, "launch_kernel", lambda *args: 700)
     monkeypatch.setattr(fake_gpu, "cuGetErrorName",
                         lambda status, out: setattr(out._obj, "value", b"CUDA_ERROR_ILLEGAL_ADDRESS") or 0,
                         raising=False)
