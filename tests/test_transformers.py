@@ -327,3 +327,19 @@ def test_importing_cuflash_does_not_import_transformers():
     code = ("import sys, cuflash, cuflash.torch; "
             "assert 'transformers' not in sys.modules, 'cuflash imported transformers'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bidirectional_padding_matches_masked_attention(reference):
+    """A non-causal layer (encoder-style) with right padding: real queries see exactly the
+    real keys; without padding the bidirectional mask function hands the layer None."""
+    assert ct.attention_mask(batch_size=2, q_length=6, kv_length=6, allow_is_causal_skip=False,
+                             allow_is_bidirectional_skip=True) is None
+    mask = _padding_mask([6, 4], 6, "right").bool()
+    layout = ct.attention_mask(batch_size=2, q_length=6, kv_length=6, attention_mask=mask,
+                               allow_is_causal_skip=False, allow_is_bidirectional_skip=True)
+    q, k, v = (torch.randn(2, h, 6, 8, dtype=torch.float64) for h in (4, 2, 2))
+    out, _ = ct.attention_forward(_module(causal=False), q, k, v, layout)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
+                                                            enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out[mask], want[mask], **TOL)
+    assert torch.all(out[~mask] == 0)
