@@ -744,7 +744,7 @@ def test_import_needs_neither_cupy_nor_torch():
 
 
 @pytest.mark.parametrize("argv", [["--tables", "speed"], ["--tables", "io", "--io"],
-                                  ["--tables", "host", "e2e"]])
+                                  ["--tables", "host", "e2e"], ["--tables", "varlen"]])
 def test_no_gpu_exits_with_one_line(argv):
     out = run_cli(*argv)
     assert out.returncode == 2

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import requires_gpu
 from cuflash import reference as ref
-from cuflash.bench import cli, common, host, io, varlen
+from cuflash.bench import cli, common, host, io, speed, varlen
 
 torch = pytest.importorskip("torch")
 
@@ -469,7 +469,8 @@ def test_varlen_table_runs_on_the_gpu():
             else:
                 assert entry["status"] in ("ok", "error", "unavailable"), (name, entry)
         for name, diff in r["max_abs_diff_vs_packed"].items():
-            assert diff < 0.05, (r["label"], r["heads_q"], name, diff)  # |o| <= max |v| ~ 4
+            # two bf16 computations of o (|o| <= max |v| ~ 4): the speed table's warning bound
+            assert diff < speed.CHECK_WARN, (r["label"], r["heads_q"], name, diff)
         if packed_ok and r["mode"] == "fwd":
             assert r["max_abs_diff_vs_packed"].get("cuflash_padded" if r["batch"] == "mixed"
                                                    else "cuflash_dense") is not None
