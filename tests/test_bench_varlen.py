@@ -336,6 +336,17 @@ def test_a_build_without_the_packed_call_shows_dashes(fake_run, monkeypatch):
     assert cells[7:] == [common.DASH, f">= {saved:.2f}x", common.DASH]  # no ratio, no verdict
 
 
+def test_inputs_that_do_not_fit_fail_every_row_of_the_batch(fake_run, monkeypatch):
+    def no_memory(env, shape):
+        raise MemoryError("out of memory allocating 4294967296 bytes")
+
+    monkeypatch.setattr(common, "random_tensor", no_memory)
+    records = _small_run(fake_run)
+    assert {e["status"] for r in records for e in r["backends"].values()} == {"oom"}
+    assert len(varlen.cuflash_failures(records)) == 2 * 2 * (2 + 2)  # heads x modes x cuflash rows
+    assert "making the inputs: MemoryError" in records[0]["backends"]["sdpa_flash_padded"]["error"]
+
+
 def test_no_torch_makes_every_row_unavailable(fake_run):
     env = types.SimpleNamespace(**{**vars(fake_run), "torch": None,
                                    "torch_reason": "PyTorch is not available"})

@@ -422,9 +422,17 @@ def _run_batch(env, args, progress, batch: Batch, heads: Heads) -> list:
                                   for r in rows}
         progress.advance(len(rows) * len(MODES))
         return records
-    packed_sets = input_sets(env, batch, heads)
-    padded_sets = ([tuple(pad(x, batch.lengths) for x in s) for s in packed_sets]
-                   if any(r.layout == "padded" for r in rows) else None)
+    try:
+        packed_sets = input_sets(env, batch, heads)
+        padded_sets = ([tuple(pad(x, batch.lengths) for x in s) for s in packed_sets]
+                       if any(r.layout == "padded" for r in rows) else None)
+    except Exception as exc:  # no inputs: every row of the batch fails the same way
+        failed = _entry(status="oom" if common.is_oom(env, exc) else "error",
+                        error=f"making the inputs: {common.first_line(exc)}")
+        for record in records:
+            record["backends"] = {r.name: dict(failed) for r in rows}
+        progress.advance(len(rows) * len(MODES))
+        return records
     label = f"varlen {heads.q}/{heads.kv} heads hdim {heads.hdim} {batch.label}"
     for record in records:
         mode = record["mode"]
