@@ -23,7 +23,7 @@ import pytest
 from conftest import requires_gpu
 from cpu_fakes import NumpyAsCupy
 from cuflash import reference as ref
-from cuflash.bench import cli, common, decode, e2e, host, io, memory, sparse, speed
+from cuflash.bench import cli, common, decode, e2e, host, io, memory, sparse, speed, varlen
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
@@ -248,7 +248,7 @@ def test_run_ncu_reports_failure(tmp_path):
 
 def test_defaults():
     args = cli.parse_args([])
-    assert args.tables == ["speed", "memory", "io", "sparse", "decode", "host", "e2e"]
+    assert args.tables == ["speed", "memory", "io", "sparse", "decode", "varlen", "host", "e2e"]
     assert not args.wide
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
     assert args.hdims == [64, 128] and args.dtypes == ["bfloat16"]
@@ -329,7 +329,9 @@ def test_step_counts():
     assert io.count_steps(args) == 2 + len(io.SWEEP_TILES)
     assert host.count_steps(args) == len(host.CASES) == 12
     assert e2e.count_steps(args) == 7 * 7  # shapes x (4 torch + 3 JAX backends)
-    assert cli.count_steps(args) == 1 + 8 + 12 + 6 + 28 + decode.count_steps() + 12 + 49
+    assert varlen.count_steps() == 2 * 2 * (6 + 2 * 2)  # heads x modes x (mixed + 2 equal batches)
+    assert cli.count_steps(args) == (1 + 8 + 12 + 6 + 28 + decode.count_steps() + varlen.count_steps()
+                                     + 12 + 49)
 
 
 # ---- timing and progress -----------------------------------------------------------------
@@ -742,7 +744,7 @@ def test_import_needs_neither_cupy_nor_torch():
 
 
 @pytest.mark.parametrize("argv", [["--tables", "speed"], ["--tables", "io", "--io"],
-                                  ["--tables", "host", "e2e"]])
+                                  ["--tables", "host", "e2e"], ["--tables", "varlen"]])
 def test_no_gpu_exits_with_one_line(argv):
     out = run_cli(*argv)
     assert out.returncode == 2

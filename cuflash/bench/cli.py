@@ -21,9 +21,14 @@ Tables, in this order, on stdout as each is done; a progress bar on stderr meanw
    against the tile size (cuflash.bench.io).
 4. sparse: block-sparse patterns, density, ms and speedup over dense, with torch
    FlexAttention on the same block mask (cuflash.bench.sparse).
-5. host: CPU microseconds per call of each API (CuPy, torch, JAX) at a tiny shape, against
+5. varlen: 64 sequences of mixed lengths (128-8192), causal, forward and forward + backward,
+   packed through cuflash's variable-length call against the same batch padded to its longest
+   (cuflash's dense path, SDPA flash and cuDNN) and SDPA on jagged nested tensors; equal
+   lengths packed against the dense path; useful TFLOP/s, padding shares, issue 17's targets
+   (cuflash.bench.varlen).
+6. host: CPU microseconds per call of each API (CuPy, torch, JAX) at a tiny shape, against
    SDPA and JAX's cuDNN path, with issue 14's targets (cuflash.bench.host).
-6. e2e: forward + backward through the torch and JAX adapters at model shapes, host time
+7. e2e: forward + backward through the torch and JAX adapters at model shapes, host time
    included, against SDPA (default, flash, cuDNN) and JAX (cuDNN, XLA) (cuflash.bench.e2e).
    host and e2e run last: JAX, once imported, keeps the device memory it has used.
 
@@ -45,9 +50,9 @@ import sys
 import time
 from typing import Optional
 
-from . import common, decode, e2e, host, io, memory, sparse, speed
+from . import common, decode, e2e, host, io, memory, sparse, speed, varlen
 
-TABLES = ("speed", "memory", "io", "sparse", "decode", "host", "e2e")
+TABLES = ("speed", "memory", "io", "sparse", "decode", "varlen", "host", "e2e")
 ALL_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "cuflash_torch")
 DEFAULT_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 NO_GPU_RUNTIME = "no CUDA device found: runtime not measured"
@@ -94,8 +99,8 @@ def build_parser(prog: str = common.PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="cuflash and its peers side by side on the GPU at hand: speed, memory, "
-                    "IO (the FlashAttention paper's Fig. 2), block-sparse, host-time and "
-                    "end-to-end tables.",
+                    "IO (the FlashAttention paper's Fig. 2), block-sparse, decode, "
+                    "variable-length (packed against padded), host-time and end-to-end tables.",
         epilog="Tables go to stdout, progress to stderr. Exit status: 0 done, 1 a cuflash "
                "measurement failed, 2 bad arguments or no CUDA device.")
     parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
@@ -258,6 +263,13 @@ def csv_rows(results: dict) -> list:
                              tflops=(r["flops"] / (e["ms"] * 1e-3) / 1e12
                                      if e["ms"] and r["flops"] else None),
                              error=e.get("error")))
+    for r in (results.get("varlen") or {}).get("records", []):
+        for name, e in r["backends"].items():
+            rows.append(_row(table="varlen", dtype=r["dtype"], mode=r["mode"], seqlen=r["longest"],
+                             hdim=r["hdim"], batch=r["sequences"], heads=r["heads_q"],
+                             kv_heads=r["heads_kv"], causal=r["causal"], backend=name,
+                             pattern=r["batch"], status=e["status"], ms=e["ms"],
+                             tflops=e["tflops"], flops=r["useful_flops"], error=e["error"]))
     for name, e in ((results.get("host") or {}).get("results") or {}).items():
         b, h, n, d = host.HOST_SHAPE
         rows.append(_row(table="host", dtype="bfloat16", mode=host.CASE_BY_NAME[name].mode,
@@ -371,6 +383,8 @@ def count_steps(args) -> int:
         steps += sparse.count_steps(args)
     if "decode" in args.tables:
         steps += decode.count_steps()
+    if "varlen" in args.tables:
+        steps += varlen.count_steps()
     if "host" in args.tables:
         steps += host.count_steps(args)
     if "e2e" in args.tables:
@@ -413,6 +427,8 @@ def kernel_variants(args) -> list:
         shapes.add(("bfloat16", host.HOST_SHAPE[3], host.CAUSAL))
     if "e2e" in args.tables:
         shapes |= e2e.variant_shapes()
+    if "varlen" in args.tables:  # its dense rows (the packed call's kernels are its own)
+        shapes |= varlen.variant_shapes()
     variants = []
     for dtype, hdim, causal in sorted(shapes):
         variants += forward_forms(dtype, hdim, causal, wgmma=wgmma)
@@ -477,7 +493,7 @@ def write_outputs(args, results: dict) -> None:
 
 def run(args) -> int:
     dtypes = args.dtypes + ([io_dtype(args)] if "io" in args.tables else [])
-    dtypes += ["bfloat16"] if {"host", "e2e", "decode"} & set(args.tables) else []  # their inputs
+    dtypes += ["bfloat16"] if {"host", "e2e", "decode", "varlen"} & set(args.tables) else []  # their inputs
     envs = {dtype: common.setup_env(dtype) for dtype in _unique(dtypes)}
     env = envs[args.dtypes[0]]
     results: dict = {"settings": settings(args)}
@@ -546,6 +562,14 @@ def run(args) -> int:
                 results["decode"] = {"settings": decode.json_settings(), "records": records,
                                      "footnotes": notes.texts}
                 failures += decode.cuflash_failures(records)
+
+            if "varlen" in args.tables:
+                records = varlen.varlen_table(envs["bfloat16"], args, progress)
+                notes = common.Footnotes()
+                emit(varlen.format_varlen(records, notes, args.tablefmt) + "\n", progress)
+                results["varlen"] = {"settings": varlen.json_settings(), "records": records,
+                                     "footnotes": notes.texts}
+                failures += varlen.cuflash_failures(records)
 
             if "host" in args.tables:
                 measured = host.run_host(envs["bfloat16"], args, progress)
