@@ -295,6 +295,9 @@ class ForwardPlan:
         self.ctx = device_context(device_id)
         self.lock = threading.Lock()
         self.decode = False  # the CuPy front end routes this signature to cuflash/_decode.py
+        # (dO strides, dO dtype, deterministic) -> BackwardPlan, for the torch adapter's eager
+        # backward of a call this plan ran: the rest of the backward's signature follows from it.
+        self.backward_plans: dict = {}
 
     @property
     def variant(self):

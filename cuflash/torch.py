@@ -58,6 +58,11 @@ _backward_calls: dict = {}
 
 def _forward_impl(q, k, v, causal, scale, mask, window):
     """o, l, m of cuflash's forward on torch's current stream; outputs from torch's allocator."""
+    return _forward_with_plan(q, k, v, causal, scale, mask, window)[:3]
+
+
+def _forward_with_plan(q, k, v, causal, scale, mask, window):
+    """o, l, m and the forward's plan, whose ``backward_plans`` the eager backward uses."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device, k.device, v.device, causal, scale, mask, window, _config.GENERATION[0])
     plan = _forward_calls.get(key)
@@ -74,7 +79,7 @@ def _forward_impl(q, k, v, causal, scale, mask, window):
     m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
              _raw_stream(device.index))
-    return o, l, m
+    return o, l, m, plan
 
 
 _decode_plans: dict = {}
@@ -117,10 +122,27 @@ def _sum_keeping(x, axes):
     return x.sum(dim=axes, keepdim=True)
 
 
-def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic):
+def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, forward_plan=None):
+    """dq, dk, dv on torch's current stream. With ``forward_plan`` (the eager path: q, k, v, o,
+    l, m are what that plan ran on, and autograd gives dO o's shape and device) the backward's
+    plan is looked up by dO's strides and dtype alone, in ``forward_plan.backward_plans``."""
+    short = None
+    plan = None
+    if forward_plan is not None:
+        short = (do.stride(), do.dtype, deterministic)
+        plan = forward_plan.backward_plans.get(short)
+    if plan is None:
+        plan, do = _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic,
+                                       forward_plan, short)
+    return _backward_run(plan, do, q, k, v, o, l, m)
+
+
+def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, forward_plan, short):
+    """The backward plan of a full signature, and dO as the kernels will read it."""
     # The incoming gradient's layout is autograd's choice, not the user's: e.g. the gradient
     # of o.sum() is an expanded (stride-0) tensor, which cuflash cannot read. Copy then.
-    if not _kernel_readable(do):
+    copied = not _kernel_readable(do)
+    if copied:
         do = do.contiguous()
     tensors = (do, q, k, v, o, l, m)
     key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
@@ -136,6 +158,12 @@ def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, determinis
                                    stats, device.index, causal, scale, mask, window, deterministic,
                                    tuple(t.data_ptr() for t in main))
         _plan.remember(_backward_calls, key, plan)
+    if short is not None and not copied:  # a dO laid out like this one needs no copy either
+        _plan.remember(forward_plan.backward_plans, short, plan)
+    return plan, do
+
+
+def _backward_run(plan, do, q, k, v, o, l, m):
     device = q.device
     grads = [None if g.kind == "generic" else torch.empty(g.shape, dtype=q.dtype, device=device)
              for g in plan.grads]
@@ -343,9 +371,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, mask, window):
-        o, l, m = _forward_impl(q, k, v, causal, scale, mask, window)
+        o, l, m, plan = _forward_with_plan(q, k, v, causal, scale, mask, window)
         ctx.save_for_backward(q, k, v, o, l, m)
         ctx.options = (causal, scale, mask, window)
+        ctx.plan = plan
         # l and m are softmax statistics, returned for inspection; no gradient flows through them.
         ctx.mark_non_differentiable(l, m)
         # Without this autograd fills zero tensors for dl and dm on every backward: two
@@ -359,5 +388,5 @@ class _EagerAttention(torch.autograd.Function):
             return (None,) * 7
         q, k, v, o, l, m = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, l, m, *ctx.options,
-                                    torch.are_deterministic_algorithms_enabled())
+                                    torch.are_deterministic_algorithms_enabled(), ctx.plan)
         return dq, dk, dv, None, None, None, None

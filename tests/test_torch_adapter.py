@@ -137,6 +137,27 @@ def test_return_stats_and_stride0_gradient():
 
 
 @gpu
+def test_eager_backward_plans_follow_the_gradient_layout():
+    """The eager backward finds its plan by dO's strides and dtype on the forward's plan: a
+    contiguous, an expanded (copied first) and a transposed dO, in either order, give exactly
+    the gradients of the same dO made contiguous (deterministic backward: bit for bit)."""
+    q, k, v, causal = inputs(CASES[1], torch.bfloat16, requires_grad=True)
+    base = torch.randn(q.shape[:-1] + (v.shape[-1],), device="cuda", dtype=torch.bfloat16)
+    layouts = [base, base[:, :, :1, :1].expand(base.shape), base.transpose(1, 2).contiguous().transpose(1, 2)]
+    torch.use_deterministic_algorithms(True)
+    try:
+        want = [torch.autograd.grad(ct.attention(q, k, v, causal=causal), (q, k, v), do.contiguous())
+                for do in layouts]
+        for order in ((0, 1, 2, 0, 2), (2, 1, 0, 1)):
+            for i in order:
+                got = torch.autograd.grad(ct.attention(q, k, v, causal=causal), (q, k, v), layouts[i])
+                for g, w in zip(got, want[i]):
+                    assert torch.equal(g, w), f"dO layout {i} (strides {layouts[i].stride()}) in order {order}"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@gpu
 def test_runs_on_torch_current_stream():
     q0, k, v, causal = inputs(CASES[1], torch.float16)
 
