@@ -128,7 +128,7 @@ def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, determinis
     plan is looked up by dO's strides and dtype alone, in ``forward_plan.backward_plans``."""
     short = None
     plan = None
-    if forward_plan is not None:
+    if forward_plan is not None and not do.data_ptr() & 15:  # a misaligned dO is copied (full path)
         short = (do.stride(), do.dtype, deterministic)
         plan = forward_plan.backward_plans.get(short)
     if plan is None:
