@@ -16,9 +16,10 @@ works too (the forward batches natively, the backward broadcasts its unbatched o
 
 Decoding against a KV cache (``page_table=``, ``seqlens_k=``, ``num_splits=``) runs the split-KV
 kernels (cuflash/_decode.py), forward only. Their plan, with the number of splits, is made at
-trace time from the static shapes, so the combine's float32 workspace is three more outputs of
-the XLA call (XLA allocates them with the program's temporaries); the lengths and page indices
-are read by the kernels from device memory, never by the host. Short-query calls without those
+trace time from the static shapes, so the splits' workspace is one more output of the XLA call
+(XLA allocates it with the program's temporaries) and a callback only writes pointers into the
+plan's bound launch; the lengths and page indices are read by the kernels from device memory,
+never by the host. Short-query calls without those
 arguments take the same kernels where cuflash.attention would (``_decode.routes_short_queries``)
 and stay differentiable: their o, l, m feed the usual backward.
 
@@ -27,7 +28,6 @@ XLA reserves 75% of the GPU by default; for large problems leave CuPy more room 
 ``XLA_PYTHON_CLIENT_MEM_FRACTION`` or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``.
 """
 
-import contextlib
 import functools
 import math
 import types
@@ -64,16 +64,6 @@ def _cupy_stream(ptr: int, device: int):
         return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
 
 
-@contextlib.contextmanager
-def _on_xla_stream(ctx, device: int):
-    """CuPy's current device and stream made XLA's, for the launches (and CuPy's allocations,
-    ordered on that stream) of one callback."""
-    import cupy
-
-    with cupy.cuda.Device(device), _cupy_stream(ctx.stream, device):
-        yield
-
-
 # XLA lays out a custom call's operands row-major, so shapes, dtype and device are the whole
 # signature of a call: (shapes, dtype, device, options) -> launch plan.
 _plans: dict = {}
@@ -108,6 +98,12 @@ def _backward_plan(args, device, options, deterministic):
     return plan
 
 
+def _xla_stream(ctx) -> int:
+    """The CUDA stream XLA runs the callback's computation on (a function of its own, so that the
+    CPU tests can run the decoding callback on JAX's CPU backend, which has none)."""
+    return ctx.stream
+
+
 def _device_of(buf) -> int:
     return int(buf.__dlpack_device__()[1])
 
@@ -125,7 +121,7 @@ def _run_backward(ctx, outs, args, options, deterministic):
 
     device = _device_of(outs[0])
     plan = _backward_plan(args, device, options, deterministic)
-    with _on_xla_stream(ctx, device):
+    with cupy.cuda.Device(device), _cupy_stream(ctx.stream, device):
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = 0 if workspace is None else workspace.ptr
         grads = [0 if g.kind == "generic" else _pointer(out) for g, out in zip(plan.grads, outs)]
@@ -240,8 +236,9 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
         _plan.remember(_decode_calls, key, entry)
     plan, callback = entry
     stats = jax.ShapeDtypeStruct(plan.out_shape[:-1], np.float32)
-    shapes = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype), stats, stats) + tuple(
-        jax.ShapeDtypeStruct((n,), np.float32) for n in plan.workspace_sizes)
+    shapes = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype), stats, stats)
+    if plan.workspace_bytes:
+        shapes += (jax.ShapeDtypeStruct((plan.workspace_bytes,), np.uint8),)
     # Under jax.vmap a decoding call runs once an example ("sequential"): a paged cache has no
     # batch dim to grow. A routed call batches like the forward ("expand_dims"); its callback
     # plans the batched shapes (_run_decode).
@@ -257,8 +254,8 @@ def _decode_callback(plan, names, options, forward_options):
 
 
 def _run_decode(ctx, outs, args, plan, options, forward_options):
-    """The traced plan launched on XLA's buffers and stream: o, l, m and the workspace are the
-    call's outputs, so nothing is allocated here and no input is written."""
+    """The traced plan's bound launch on XLA's buffers and stream: o, l, m and the workspace
+    are the call's outputs, so nothing is allocated here and no input is written."""
     device = _device_of(outs[0])
     arrays = {name: _RowMajorBuffer.of(buf, device) for name, buf in args.items()}
     o, l, m, *workspace = (_RowMajorBuffer.of(buf, device) for buf in outs)
@@ -271,14 +268,18 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
         if plan is None:
             _run_forward(ctx, outs[:3], args["q"], args["k"], args["v"], forward_options)
             return
+    workspace = workspace[0] if workspace else None
+    if plan.workspace_bytes > (0 if workspace is None else workspace.size):
+        raise RuntimeError(f"cuflash.jax: the decoding workspace output has {0 if workspace is None else workspace.size} "
+                           f"bytes, the plan needs {plan.workspace_bytes}")
     for name in ("q", "k", "v"):
         x = arrays[name]
         if x.data.ptr & 15:
             raise _checks.vector_alignment_error(name, x.shape, _plan.contiguous_strides(x.shape), x.data.ptr,
                                                  _checks.dtype_name(x.dtype))
-    with _on_xla_stream(ctx, device):
-        _decode.run_plan(plan, arrays["q"], arrays["k"], arrays["v"], page_table=arrays.get("page_table"),
-                         seqlens_k=arrays.get("seqlens_k"), workspace=tuple(workspace) or None, out=(o, l, m))
+    pointers = [0 if arrays.get(name) is None else arrays[name].data.ptr for name in _DECODE_INPUTS]
+    _decode.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
+                                           0 if workspace is None else workspace.data.ptr, _xla_stream(ctx))
 
 
 # (shapes, dtype, split count, options) of a routed call's vmapped buffers -> DecodePlan or None.
@@ -286,8 +287,9 @@ _batched_decode_plans: dict = {}
 
 
 def _batched_decode_plan(arrays, num_splits, options):
-    """The plan of a routed call's vmapped buffers with the traced call's split count (so the
-    workspace, grown by the batch like the rows, fits), or None where those shapes do not take
+    """The plan of a routed call's vmapped buffers with the traced call's split count (the
+    workspace output grew by the batch: B times the traced plan's bytes, at least what B times
+    the rows in the same splits take, each of its three parts rounded up once), or None where those shapes do not take
     the split-KV kernels (an unbatched operand's size-1 dim broadcasts: the forward does that)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     key = (q.shape, k.shape, v.shape, q.dtype, num_splits, options)

@@ -6,7 +6,6 @@ the kernels in place of the launch (which buffers go where, the outputs coming b
 The GPU tests of the kernels through the adapter are in test_jax_decode_gpu.py.
 """
 
-import contextlib
 import ctypes
 
 import ml_dtypes
@@ -16,7 +15,7 @@ import pytest
 from cpu_fakes import HostArrayAsDevice
 from cuflash import _api, _decode, masks
 from cuflash import reference as ref
-from gpu_util import random_array
+from gpu_util import np_dtype, random_array
 from test_decode_gpu import PagedCache, allowed_keys
 
 jax = pytest.importorskip("jax")
@@ -69,8 +68,8 @@ def decode(q, k, v, page_table=None, seqlens_k=None, **kwargs):
 
 @pytest.mark.parametrize("num_splits", (1, 4, None))
 def test_plan_and_workspace_outputs_at_trace_time(num_splits):
-    """The call's XLA outputs are o, l, m and, with more than one split, the combine's three
-    float32 workspaces, sized as plan_decode sizes them (without a GPU: its H200 defaults)."""
+    """The call's XLA outputs are o, l, m and, with more than one split, the splits' workspace
+    (bytes), sized as plan_decode's plan sizes it (without a GPU: its H200 defaults)."""
     specs = paged()
     eqn = the_callback(lambda *a: decode(*a, num_splits=num_splits), *specs)
     q, k, _, table, lengths = specs
@@ -79,9 +78,10 @@ def test_plan_and_workspace_outputs_at_trace_time(num_splits):
     assert plan.num_splits == (num_splits or plan.num_splits) and (num_splits is not None or plan.num_splits > 1)
     avals = eqn.params["result_avals"]
     assert [a.shape for a in avals[:3]] == [q.shape, q.shape[:-1], q.shape[:-1]]
-    assert [a.dtype for a in avals] == [q.dtype] + [np.float32] * (len(avals) - 1)
-    assert tuple(a.shape for a in avals[3:]) == tuple((n,) for n in plan.workspace_sizes)
-    assert len(avals) == (3 if plan.num_splits == 1 else 6)
+    assert [a.dtype for a in avals] == [q.dtype, np.float32, np.float32] + [np.uint8] * (len(avals) - 3)
+    assert len(avals) == (3 if plan.num_splits == 1 else 4)
+    assert plan.workspace_bytes == (0 if plan.num_splits == 1 else avals[3].shape[0]) and (
+        plan.num_splits == 1 or plan.workspace_bytes >= 4 * plan.num_splits * plan.total_rows * (plan.dv + 2))
     assert eqn.params["vmap_method"] == "sequential"
     out = jax.eval_shape(lambda *a: decode(*a, num_splits=num_splits), *specs)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -91,7 +91,7 @@ def test_dense_cache_with_and_without_lengths():
     q, k = S((3, 8, 2, 64), jnp.float16), S((3, 2, 1000, 64), jnp.float16)
     for lengths in (None, S((3,), jnp.int32)):
         eqn = the_callback(lambda q, k: decode(q, k, k, seqlens_k=lengths, num_splits=2), q, k)
-        assert len(eqn.invars) == (3 if lengths is None else 4) and len(eqn.params["result_avals"]) == 6
+        assert len(eqn.invars) == (3 if lengths is None else 4) and len(eqn.params["result_avals"]) == 4
 
 
 def bad(message, exc=ValueError, **changes):
@@ -184,62 +184,76 @@ def test_short_queries_take_the_path_cuflash_attention_takes(name):
 # ---- the callback on JAX's CPU backend, with a NumPy model of the kernels -----------------------
 
 
-def host_view(x):
-    """The NumPy array over a _RowMajorBuffer's memory (host memory on the CPU backend)."""
-    memory = (ctypes.c_char * (x.size * x.dtype.itemsize)).from_address(x.data.ptr)
-    return np.frombuffer(memory, dtype=x.dtype, count=x.size).reshape(x.shape)
+def host_view(ptr, shape, dtype, strides=None):
+    """A NumPy view of host memory at ``ptr`` (the CPU backend's buffers): ``shape`` with
+    element ``strides`` (default row-major)."""
+    dtype = np.dtype(dtype)
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
+    memory = (ctypes.c_char * (extent * dtype.itemsize)).from_address(ptr)
+    flat = np.frombuffer(memory, dtype=dtype, count=extent)
+    return np.lib.stride_tricks.as_strided(flat, shape, tuple(st * dtype.itemsize for st in strides))
 
 
 class KernelModel:
-    """Stands in for _decode.run_plan and the forward's launch: computes what the kernels
-    compute, in float64 from the buffers' memory, writes it into the output buffers and
-    records each launch (its plan, its buffers)."""
+    """Stands in for the kernels' bound launches (_decode.bound_launch) and the forward's
+    launch: reads the buffers as the kernels do, from raw pointers with the plan's shapes and
+    strides, computes what the kernels compute in float64, writes it into the output buffers
+    and records each launch."""
 
     def __init__(self):
         self.decodes, self.forwards = [], []
 
-    def run_plan(self, plan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None, out=None):
-        assert out is not None, "the adapter gives its outputs"
-        if plan.combine is None:
-            assert workspace is None
-        else:
-            assert len(workspace) == 3 and all(w.dtype == np.float32 and w.size >= n
-                                               for w, n in zip(workspace, plan.workspace_sizes))
-            used = {x.data.ptr for x in (q, k, v, *out)}
-            assert not used & {w.data.ptr for w in workspace}, "the workspace is a buffer of its own"
-            for w in workspace:
-                host_view(w)[...] = np.nan  # scratch: nothing may read it back
-        self.decodes.append(dict(plan=plan, q=q.shape, k=k.shape, paged=page_table is not None))
+    def bound_launch(self, plan, device_id):
+        model = self
+
+        class Launch:
+            workspace_bytes = plan.workspace_bytes
+
+            def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
+                model.run(plan, q, k, v, o, l, m, page_table, seqlens, workspace)
+
+        return Launch()
+
+    def run(self, plan, q, k, v, o, l, m, page_table, seqlens, workspace):
         f = plan.fields
-        batch, hk, nq = plan.batch, plan.kv_heads, plan.nq
-        qh = host_view(q).reshape(batch, hk * plan.group, nq, plan.d).astype(np.float64)
-        if page_table is None:
-            keys = host_view(k).reshape(batch, hk, -1, plan.d).astype(np.float64)
-            values = host_view(v).reshape(batch, hk, -1, plan.dv).astype(np.float64)
-            present = np.ones((batch, 1, 1, plan.capacity), bool)
+        assert (workspace != 0) == (plan.combine is not None)
+        if workspace:
+            assert workspace not in (q, k, v, o, l, m), "the workspace is a buffer of its own"
+            host_view(workspace, (plan.workspace_bytes,), np.uint8)[...] = 0xFF  # scratch: NaN, never read back
+        self.decodes.append(dict(plan=plan, paged=page_table != 0))
+        dtype = np_dtype(plan.variant.dtype)
+        batch, hk, group, nq, cap = plan.batch, plan.kv_heads, plan.group, plan.nq, plan.capacity
+        qh = host_view(q, (batch, hk, group, nq, plan.d), dtype, (f["q_batch_stride"], group * f["q_head_stride"],
+                                                                  f["q_head_stride"], f["q_row_stride"], 1))
+        qh = qh.reshape(batch, hk * group, nq, plan.d).astype(np.float64)
+        if page_table == 0:
+            rows = cap
+            present = np.ones((batch, cap), bool)
         else:
-            table = host_view(page_table)
-            pages_k, pages_v = (host_view(x).astype(np.float64) for x in (k, v))
-            page_size = pages_k.shape[2]
-            entries = np.repeat(table, page_size, axis=1)  # (batch, capacity): key j's page
-            present = ((entries >= 0) & (entries < pages_k.shape[0]))[:, None, None, :]
-            slots = np.where(present[:, 0, 0], entries, 0)
-            rows = np.arange(plan.capacity) % page_size
-            keys = pages_k[slots, :, rows].transpose(0, 2, 1, 3)
-            values = pages_v[slots, :, rows].transpose(0, 2, 1, 3)
-        lengths = [plan.capacity] * batch if seqlens_k is None else host_view(seqlens_k)
+            rows, table = 1 << f["page_shift"], host_view(page_table, (batch, f["max_pages"]), np.int32)
+        kv = []
+        for ptr, dim, name in ((k, plan.d, "k"), (v, plan.dv, "v")):
+            strides = (f[f"{name}_batch_stride"], f[f"{name}_head_stride"], f[f"{name}_row_stride"], 1)
+            lead = batch if page_table == 0 else f["num_pages"]
+            kv.append(host_view(ptr, (lead, hk, rows, dim), dtype, strides).astype(np.float64))
+        if page_table != 0:  # logical (batch, Hk, capacity, d) from the pages the table names
+            entries = np.repeat(table, rows, axis=1)
+            present = (entries >= 0) & (entries < f["num_pages"])
+            slots, offsets = np.where(present, entries, 0), np.arange(cap) % rows
+            kv = [x[slots, :, offsets].transpose(0, 2, 1, 3) for x in kv]
+        lengths = [cap] * batch if seqlens == 0 else host_view(seqlens, (batch,), np.int32)
         # The kernels read no key past a length and none of a bad page (the tests' caches hold
         # NaN there): neither does the model.
-        read = present & (np.arange(plan.capacity) < np.clip(lengths, 0, plan.capacity)[:, None])[:, None, None]
-        keys, values = (np.where(read[:, :, 0, :, None], x, 0) for x in (keys, values))
+        read = present & (np.arange(cap) < np.clip(lengths, 0, cap)[:, None])
+        keys, values = (np.where(read[:, None, :, None], x, 0) for x in kv)
         window = (f["window_left"], f["window_right"])
-        allowed = allowed_keys(lengths, nq, plan.capacity, window=None if window == (-1, -1) else window)
-        exact = ref.standard_attention(qh, keys, values, scale=f["scale"], mask=allowed & present)
-        o, l, m = out
-        host_view(o)[...] = exact.o.reshape(o.shape).astype(o.dtype)
-        host_view(l)[...] = exact.l.reshape(l.shape)
-        host_view(m)[...] = exact.m.reshape(m.shape)
-        return out
+        allowed = allowed_keys(lengths, nq, cap, window=None if window == (-1, -1) else window)
+        exact = ref.standard_attention(qh, keys, values, scale=f["scale"], mask=allowed & present[:, None, None])
+        host_view(o, plan.out_shape, dtype)[...] = exact.o.reshape(plan.out_shape).astype(dtype)
+        host_view(l, plan.out_shape[:-1], np.float32)[...] = exact.l.reshape(plan.out_shape[:-1])
+        host_view(m, plan.out_shape[:-1], np.float32)[...] = exact.m.reshape(plan.out_shape[:-1])
 
     def run_forward(self, ctx, outs, q, k, v, options):
         causal, scale, mask, window = options
@@ -257,9 +271,9 @@ def kernels(monkeypatch):
     """The adapter's callbacks on the CPU backend, launching into a KernelModel."""
     model = KernelModel()
     monkeypatch.setattr(cj, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
-    monkeypatch.setattr(cj, "_on_xla_stream", lambda ctx, device: contextlib.nullcontext())
+    monkeypatch.setattr(cj, "_xla_stream", lambda ctx: 0)
     monkeypatch.setattr(cj, "_run_forward", model.run_forward)
-    monkeypatch.setattr(_decode, "run_plan", model.run_plan)
+    monkeypatch.setattr(_decode, "bound_launch", model.bound_launch)
     return model
 
 
@@ -283,7 +297,7 @@ def test_dense_cache_buffers_and_outputs(kernels, num_splits, rng):
     assert o.shape == q.shape and o.dtype == q.dtype
     assert_close(o, expected_o(q, k, v, lengths, causal=True), q.dtype)
     (launch,) = kernels.decodes
-    assert launch["q"] == q.shape and launch["k"] == k.shape and not launch["paged"]
+    assert launch["plan"].out_shape == q.shape and launch["plan"].capacity == 300 and not launch["paged"]
     assert num_splits is None or launch["plan"].num_splits == num_splits
     # New lengths, same signature: the traced plan runs again, no new trace.
     longer = np.array([300, 299, 2, 1], np.int32)
@@ -299,7 +313,7 @@ def test_paged_cache_buffers_and_outputs(kernels, page_size, rng):
     cache = PagedCache(rng, k, v, lengths, page_size)
     o = jax.jit(lambda *a: decode(*a, window=(20, 0), num_splits=2))(q, *cache.host_pages, cache.table, cache.lengths)
     assert_close(o, expected_o(q, k, v, lengths, window=(20, 0)), q.dtype)
-    assert kernels.decodes[0]["paged"] and kernels.decodes[0]["k"] == cache.host_pages[0].shape
+    assert kernels.decodes[0]["paged"] and kernels.decodes[0]["plan"].fields["num_pages"] == cache.num_pages
 
 
 def test_vmap_of_a_decoding_call_runs_once_an_example(kernels, rng):
@@ -310,7 +324,7 @@ def test_vmap_of_a_decoding_call_runs_once_an_example(kernels, rng):
     assert o.shape == q.shape
     for i in range(3):
         assert_close(o[i], expected_o(q[i], k, v, lengths[i]), q.dtype)
-    assert [launch["q"] for launch in kernels.decodes] == [q.shape[1:]] * 3
+    assert [launch["plan"].out_shape for launch in kernels.decodes] == [q.shape[1:]] * 3
 
 
 def test_routed_call_under_vmap(kernels, rng):
@@ -325,8 +339,9 @@ def test_routed_call_under_vmap(kernels, rng):
     for i in range(3):
         assert_close(o[i], expected_o(q[i], k[i], v[i], [nk] * 2, causal=True), q.dtype)
     (launch,) = kernels.decodes
-    assert launch["q"] == q.shape and launch["plan"].batch == 6
-    assert len(traced.params["result_avals"]) == 3 + len(launch["plan"].workspace_sizes)
+    assert launch["plan"].out_shape == q.shape and launch["plan"].batch == 6
+    splits = 1 if len(traced.params["result_avals"]) == 3 else launch["plan"].num_splits
+    assert launch["plan"].num_splits == splits
 
     o = jax.jit(jax.vmap(attend, in_axes=(0, None, None)))(q, k[0], v[0])
     for i in range(3):

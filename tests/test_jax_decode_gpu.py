@@ -4,10 +4,11 @@ jax.jit and jax.vmap, and the short-query routing (forward and gradients).
 
 As in test_decode_gpu.py, caches hold NaN wherever the kernel must not read (past each length,
 unused pages, rows of a last page past the length). XLA allocates the outputs and the split
-workspace, so a wrapper around _decode.run_plan fills them with NaN bytes on XLA's stream right
-before each launch: every element the test reads was written by the kernels.
+workspace, so a wrapper around the bound launch's run fills them with NaN bytes on XLA's stream
+right before each launch: every element the test reads was written by the kernels.
 """
 
+import math
 import os
 
 import numpy as np
@@ -30,19 +31,25 @@ DECODE_DTYPES = ("float16", "bfloat16")
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
-    """NaN bytes in o, l, m and the workspace (XLA's buffers) before every decoding launch."""
+    """NaN bytes in o, l, m and the workspace (XLA's buffers) before every decoding launch, on
+    the launch's stream (XLA's)."""
     import cupy
 
-    run_plan = _decode.run_plan
+    from cuflash import _checks, _plan
 
-    def poisoning(plan, q, k, v, *, workspace=None, out=None, **kwargs):
-        stream = cupy.cuda.get_current_stream().ptr  # XLA's, inside the adapter's callback
-        for x in tuple(out) + tuple(workspace or ()):
-            if x.size:
-                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0xFF, x.size * x.dtype.itemsize, stream)
-        return run_plan(plan, q, k, v, workspace=workspace, out=out, **kwargs)
+    run = _decode.DecodeLaunch.run
 
-    monkeypatch.setattr(_decode, "run_plan", poisoning)
+    def poisoning(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
+        rows = math.prod(self.plan.out_shape[:-1])
+        sizes = ((o, rows * self.plan.dv * _checks.itemsize(self.plan.variant.dtype)), (l, 4 * rows), (m, 4 * rows),
+                 (workspace, self.workspace_bytes))
+        with _plan.Context(self.ctx):
+            for ptr, nbytes in sizes:
+                if ptr and nbytes:
+                    cupy.cuda.runtime.memsetAsync(ptr, 0xFF, nbytes, stream)
+        return run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream)
+
+    monkeypatch.setattr(_decode.DecodeLaunch, "run", poisoning)
 
 
 class _OnHost:
