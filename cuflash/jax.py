@@ -211,7 +211,7 @@ def _gpu_size(device):
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")
 # (shapes and dtypes of the inputs, options, forward options, device) -> (DecodePlan, callback):
-# the split count, hence the workspace outputs' shapes, is fixed when the call is traced.
+# the split count, hence the workspace output's size, is fixed when the call is traced.
 _decode_calls: dict = {}
 
 
@@ -269,9 +269,10 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
             _run_forward(ctx, outs[:3], args["q"], args["k"], args["v"], forward_options)
             return
     workspace = workspace[0] if workspace else None
-    if plan.workspace_bytes > (0 if workspace is None else workspace.size):
-        raise RuntimeError(f"cuflash.jax: the decoding workspace output has {0 if workspace is None else workspace.size} "
-                           f"bytes, the plan needs {plan.workspace_bytes}")
+    given = 0 if workspace is None else workspace.size
+    if plan.workspace_bytes > given:
+        raise RuntimeError(f"cuflash.jax: the decoding workspace output has {given} bytes, the plan needs "
+                           f"{plan.workspace_bytes}")
     for name in ("q", "k", "v"):
         x = arrays[name]
         if x.data.ptr & 15:
@@ -287,10 +288,11 @@ _batched_decode_plans: dict = {}
 
 
 def _batched_decode_plan(arrays, num_splits, options):
-    """The plan of a routed call's vmapped buffers with the traced call's split count (the
-    workspace output grew by the batch: B times the traced plan's bytes, at least what B times
-    the rows in the same splits take, each of its three parts rounded up once), or None where those shapes do not take
-    the split-KV kernels (an unbatched operand's size-1 dim broadcasts: the forward does that)."""
+    """The plan of a routed call's vmapped buffers with the traced call's split count, or None
+    where those shapes do not take the split-KV kernels (an unbatched operand's size-1 dim
+    broadcasts: the forward does that). The workspace output grew by the batch B: B times the
+    traced plan's bytes hold B times its rows in as many splits (each part is rounded up once
+    instead of B times)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     key = (q.shape, k.shape, v.shape, q.dtype, num_splits, options)
     if key not in _batched_decode_plans:
