@@ -19,9 +19,9 @@ kernels (cuflash/_decode.py), forward only. Their plan, with the number of split
 trace time from the static shapes, so the splits' workspace is one more output of the XLA call
 (XLA allocates it with the program's temporaries) and a callback only writes pointers into the
 plan's bound launch; the lengths and page indices are read by the kernels from device memory,
-never by the host. Short-query calls without those
-arguments take the same kernels where cuflash.attention would (``_decode.routes_short_queries``)
-and stay differentiable: their o, l, m feed the usual backward.
+never by the host. Short-query calls without those arguments take the same kernels where
+cuflash.attention would (``_decode.routes_short_queries``) and stay differentiable: their o, l,
+m feed the usual backward.
 
 Memory: cuflash's results and scratch space come from CuPy's memory pool, outside XLA's.
 XLA reserves 75% of the GPU by default; for large problems leave CuPy more room with
