@@ -108,11 +108,7 @@ def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
     plan = _plan.forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
                               _element_strides(v), dtype, device, causal, scale, mask, window_option(window),
                               (q.data.ptr, k.data.ptr, v.data.ptr))
-    # A few queries a head against many keys: the split-KV decoding kernels stream K and V on
-    # every SM, where the forward's 128-row query tiles would occupy a handful of CTAs. Below
-    # DECODE_MIN_KEYS the keys fit a tile or two of the forward: nothing to split.
-    plan.decode = (mask is None and plan.kernel is not None and k.shape[-2] >= DECODE_MIN_KEYS
-                   and _decode.supports(q, k, v))
+    plan.decode = _decode.routes_short_queries(q, k, v, mask)
     return plan
 
 

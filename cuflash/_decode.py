@@ -78,6 +78,21 @@ class DecodePlan(NamedTuple):
     def total_rows(self) -> int:
         return self.batch * self.kv_heads * self.group * self.nq
 
+    @property
+    def workspace_offsets(self) -> Tuple[int, int]:
+        """Byte offsets of ws_l and ws_m in the splits' workspace (ws_o first, at 0)."""
+        split_rows = self.num_splits * self.total_rows
+        ws_l = _align(4 * split_rows * self.dv)
+        return ws_l, ws_l + _align(4 * split_rows)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device memory the splits' partial results take (0 with one split). Shapes alone
+        decide it, so the JAX adapter sizes its workspace output with it at trace time."""
+        if self.combine is None:
+            return 0
+        return self.workspace_offsets[1] + _align(4 * self.num_splits * self.total_rows)
+
 
 # ---- checks ---------------------------------------------------------------------------------
 
@@ -156,6 +171,17 @@ def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def routes_short_queries(q, k, v, block_mask=None) -> bool:
+    """Whether a call without decoding arguments takes the split-KV kernels all the same: at
+    least one query row, no block mask, at least ``_api.DECODE_MIN_KEYS`` keys, and a layout
+    :func:`supports`. A few queries a head against many keys would occupy only a handful of
+    the forward's 128-row query tiles while the split-KV kernels stream K and V on every SM;
+    below DECODE_MIN_KEYS the keys fit a tile or two of the forward: nothing to split. Every
+    front end that routes (the CuPy API, the JAX adapter) asks here."""
+    return (block_mask is None and math.prod(q.shape[:-1]) > 0 and k.shape[-2] >= _api.DECODE_MIN_KEYS
+            and supports(q, k, v))
 
 
 def _plan_layout(q, k, v, page_table):
@@ -382,13 +408,10 @@ class DecodeLaunch:
             {**plan.fields, **zero}[name] for name, _ in _DECODE_PARAM_FIELDS)))
         self.kernel = _plan.Kernel(plan.variant, device_id, _plan.slice_grid(plan.grid_x, plan.num_bh), [block],
                                    plan.d, plan.dv)
-        split_rows = plan.num_splits * plan.total_rows
-        self.ws_l_offset = _align(4 * split_rows * plan.dv)  # ws_o, then ws_l, then ws_m
-        self.ws_m_offset = self.ws_l_offset + _align(4 * split_rows)
+        self.ws_l_offset, self.ws_m_offset = plan.workspace_offsets  # ws_o, then ws_l, then ws_m
+        self.workspace_bytes = plan.workspace_bytes
         self.combine = None
-        self.workspace_bytes = 0
         if plan.combine is not None:
-            self.workspace_bytes = self.ws_m_offset + _align(4 * split_rows)
             combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=plan.total_rows, dv=plan.dv,
                            num_splits=plan.num_splits, scale=plan.fields["scale"],
                            scale_log2=plan.fields["scale_log2"])

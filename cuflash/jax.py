@@ -14,18 +14,29 @@ Python callback.  The gradient is a
 ``jax.custom_vjp`` whose backward pass is cuflash's FlashAttention backward.  ``jax.vmap``
 works too (the forward batches natively, the backward broadcasts its unbatched operands).
 
+Decoding against a KV cache (``page_table=``, ``seqlens_k=``, ``num_splits=``) runs the split-KV
+kernels (cuflash/_decode.py), forward only. Their plan, with the number of splits, is made at
+trace time from the static shapes, so the splits' workspace is one more output of the XLA call
+(XLA allocates it with the program's temporaries) and a callback only writes pointers into the
+plan's bound launch; the lengths and page indices are read by the kernels from device memory,
+never by the host. Short-query calls without those arguments take the same kernels where
+cuflash.attention would (``_decode.routes_short_queries``) and stay differentiable: their o, l,
+m feed the usual backward.
+
 Memory: cuflash's results and scratch space come from CuPy's memory pool, outside XLA's.
 XLA reserves 75% of the GPU by default; for large problems leave CuPy more room with
 ``XLA_PYTHON_CLIENT_MEM_FRACTION`` or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``.
 """
 
 import functools
+import math
+import types
 
 import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _api, _broadcast, _checks, _plan
+from . import _api, _broadcast, _checks, _decode, _plan
 
 __all__ = ["attention"]
 
@@ -85,6 +96,12 @@ def _backward_plan(args, device, options, deterministic):
             deterministic, tuple(_pointer(x) for x in main))
         _plans[key] = plan
     return plan
+
+
+def _xla_stream(ctx) -> int:
+    """The CUDA stream XLA runs the callback's computation on (a function of its own, so that the
+    CPU tests can run the decoding callback on JAX's CPU backend, which has none)."""
+    return ctx.stream
 
 
 def _device_of(buf) -> int:
@@ -147,6 +164,166 @@ def _backward_callback(causal, scale, block_mask, window, deterministic):
     return callback
 
 
+# ---- decoding: the split-KV kernels, planned at trace time ------------------------------------
+
+
+class _RowMajorBuffer:
+    """What cuflash/_decode.py reads of an array (shape, byte strides, dtype, ``data.ptr``,
+    ``device.id``, ``flags``), for a row-major buffer: one XLA hands a callback, or, at trace
+    time, one XLA will allocate (address 0: its buffers are at least 16-byte aligned, which the
+    callback checks again)."""
+
+    __slots__ = ("shape", "dtype", "strides", "ndim", "size", "data", "device", "flags")
+    _ROW_MAJOR = types.SimpleNamespace(c_contiguous=True)
+
+    def __init__(self, shape, dtype, ptr: int = 0, device_id: int = 0):
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.strides = tuple(s * self.dtype.itemsize for s in _plan.contiguous_strides(self.shape))
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.device = types.SimpleNamespace(id=device_id)
+        self.flags = self._ROW_MAJOR
+
+    @classmethod
+    def of(cls, buf, device_id: int):
+        return cls(buf.shape, buf.dtype, _pointer(buf), device_id)
+
+
+def _trace_device():
+    """The CUDA device a traced decoding call is planned for (its size decides the split count):
+    JAX's default device when that is a GPU, else None (tracing without one, e.g. jax.eval_shape
+    on a CPU), which plans for plan_decode's defaults (an H200). A plan is correct on any GPU;
+    only its speed depends on the device it was made for."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    return device.local_hardware_id  # CUDA's device ordinal, which CuPy counts in too
+
+
+def _gpu_size(device):
+    """plan_decode's sm_count and ctas_per_sm for ``device`` (None: its defaults)."""
+    if device is None:
+        return {}
+    return dict(sm_count=_plan.sm_count(device), ctas_per_sm=lambda variant: _decode._ctas_per_sm(variant, device))
+
+
+_DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")
+# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodePlan, callback):
+# the split count, hence the workspace output's size, is fixed when the call is traced.
+_decode_calls: dict = {}
+
+
+def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=None):
+    """o, l, m of the split-KV kernels on traced arrays. options: (causal, scale, window,
+    num_splits). forward_options: set when the call was routed here for its shapes (no decoding
+    arguments); they are the differentiable forward's, for its fallback under jax.vmap."""
+    arrays = dict(zip(_DECODE_INPUTS, (q, k, v, page_table, seqlens_k)))
+    device = _trace_device()
+    key = tuple(None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in arrays.values()) + (
+        options, forward_options, device)
+    entry = _decode_calls.get(key)
+    if entry is None:
+        causal, scale, window, num_splits = options
+        meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0)
+                for name, x in arrays.items()}
+        plan = _decode.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
+                                   page_table=meta["page_table"], seqlens_k=meta["seqlens_k"],
+                                   num_splits=num_splits, **_gpu_size(device))
+        names = tuple(name for name, x in arrays.items() if x is not None)
+        entry = plan, _decode_callback(plan, names, options, forward_options)
+        _plan.remember(_decode_calls, key, entry)
+    plan, callback = entry
+    stats = jax.ShapeDtypeStruct(plan.out_shape[:-1], np.float32)
+    shapes = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype), stats, stats)
+    if plan.workspace_bytes:
+        shapes += (jax.ShapeDtypeStruct((plan.workspace_bytes,), np.uint8),)
+    # Under jax.vmap a decoding call runs once an example ("sequential"): a paged cache has no
+    # batch dim to grow. A routed call batches like the forward ("expand_dims"); its callback
+    # plans the batched shapes (_run_decode).
+    call = buffer_callback(callback, shapes, vmap_method="sequential" if forward_options is None else "expand_dims")
+    return tuple(call(*(x for x in arrays.values() if x is not None))[:3])
+
+
+def _decode_callback(plan, names, options, forward_options):
+    def callback(ctx, outs, *args):
+        _run_decode(ctx, outs, dict(zip(names, args)), plan, options, forward_options)
+
+    return callback
+
+
+def _run_decode(ctx, outs, args, plan, options, forward_options):
+    """The traced plan's bound launch on XLA's buffers and stream: o, l, m and the workspace
+    are the call's outputs, so nothing is allocated here and no input is written."""
+    device = _device_of(outs[0])
+    arrays = {name: _RowMajorBuffer.of(buf, device) for name, buf in args.items()}
+    o, l, m, *workspace = (_RowMajorBuffer.of(buf, device) for buf in outs)
+    if o.shape != plan.out_shape:
+        # Only a routed call meets new shapes: jax.vmap's "expand_dims" adds a leading batch dim
+        # (of size 1 on unbatched operands), and its outputs, the workspace too, grew by it.
+        if forward_options is None:
+            raise RuntimeError(f"cuflash.jax: a decoding call traced for o {plan.out_shape} got buffers for {o.shape}")
+        plan = _batched_decode_plan(arrays, plan.num_splits, options)
+        if plan is None:
+            _run_forward(ctx, outs[:3], args["q"], args["k"], args["v"], forward_options)
+            return
+    workspace = workspace[0] if workspace else None
+    given = 0 if workspace is None else workspace.size
+    if plan.workspace_bytes > given:
+        raise RuntimeError(f"cuflash.jax: the decoding workspace output has {given} bytes, the plan needs "
+                           f"{plan.workspace_bytes}")
+    for name in ("q", "k", "v"):
+        x = arrays[name]
+        if x.data.ptr & 15:
+            raise _checks.vector_alignment_error(name, x.shape, _plan.contiguous_strides(x.shape), x.data.ptr,
+                                                 _checks.dtype_name(x.dtype))
+    pointers = [0 if arrays.get(name) is None else arrays[name].data.ptr for name in _DECODE_INPUTS]
+    _decode.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
+                                           0 if workspace is None else workspace.data.ptr, _xla_stream(ctx))
+
+
+# (shapes, dtype, split count, options) of a routed call's vmapped buffers -> DecodePlan or None.
+_batched_decode_plans: dict = {}
+
+
+def _batched_decode_plan(arrays, num_splits, options):
+    """The plan of a routed call's vmapped buffers with the traced call's split count, or None
+    where those shapes do not take the split-KV kernels (an unbatched operand's size-1 dim
+    broadcasts: the forward does that). The workspace output grew by the batch B: B times the
+    traced plan's bytes hold B times its rows in as many splits (each part is rounded up once
+    instead of B times)."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    key = (q.shape, k.shape, v.shape, q.dtype, num_splits, options)
+    if key not in _batched_decode_plans:
+        plan = None
+        if _decode.routes_short_queries(q, k, v):
+            causal, scale, window, _ = options
+            plan = _decode.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits)
+        _plan.remember(_batched_decode_plans, key, plan)
+    return _batched_decode_plans[key]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _decoding(q, k, v, page_table, seqlens_k, options):
+    return _decode_outputs(q, k, v, page_table, seqlens_k, options)[0]
+
+
+@_decoding.defjvp
+def _decoding_jvp(options, primals, tangents):
+    # A custom_jvp rule is traced for jax.grad, jax.vjp and jax.jvp alike: one clear error for all.
+    raise ValueError(
+        "cuflash.jax.attention with page_table, seqlens_k or num_splits runs the split-KV decoding kernels, "
+        "which are forward only: it cannot be differentiated (call it outside jax.grad / jax.jvp, or on "
+        "jax.lax.stop_gradient of its inputs)")
+
+
+_decoding_jit = jax.jit(_decoding, static_argnums=(5,))
+
+
+# ---- the differentiable attention ------------------------------------------------------------
+
+
 def _check(q, k, v, scale, block_mask, window):
     """Trace-time validation: errors surface at the call site, not inside XLA's callback."""
     _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
@@ -159,6 +336,9 @@ def _check(q, k, v, scale, block_mask, window):
 
 def _forward(q, k, v, options):
     lead = _check(q, k, v, *options[1:])
+    causal, scale, mask, window = options
+    if _decode.routes_short_queries(*(_RowMajorBuffer(x.shape, x.dtype) for x in (q, k, v)), mask):
+        return _decode_outputs(q, k, v, None, None, (causal, scale, window, None), forward_options=options)
     nq, dv = q.shape[-2], v.shape[-1]
     stats = jax.ShapeDtypeStruct(lead + (nq,), np.float32)
     shapes = (jax.ShapeDtypeStruct(lead + (nq, dv), q.dtype), stats, stats)
@@ -195,7 +375,7 @@ _attention_jit = jax.jit(_attention, static_argnums=(3, 4))
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool = False,
-              block_mask=None, block_size=None, window=None):
+              block_mask=None, block_size=None, window=None, page_table=None, seqlens_k=None, num_splits=None):
     """Exact scaled dot-product attention (FlashAttention) on JAX arrays, differentiable.
 
     Args:
@@ -212,11 +392,37 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             boolean array (..., Tq, Tk) (NumPy, or a JAX array outside jit) with
             ``block_size``; ``window=(left, right)``. They are static: each mask object is
             one trace (equal boolean arrays share one BlockMask, hence one trace).
+        page_table, seqlens_k, num_splits: decoding against a KV cache on the split-KV
+            kernels, forward only (differentiating raises), as in :func:`cuflash.attention`:
+            k, v of shape (num_pages, Hk, page_size, d) with ``page_table`` int32 (batch,
+            max_pages) and ``seqlens_k`` int32 (batch,), or dense (batch..., Hk, Nk, d) with
+            optional ``seqlens_k``; causal and window aligned at each sequence's end.
+            ``num_splits`` (static) forces the number of key splits, else it is chosen at trace
+            time from the shapes and JAX's default GPU. XLA passes operands row-major: keep a
+            cache as (num_pages, Hk, page_size, d), since ``jnp.swapaxes`` of vLLM's layout
+            is a transposed copy of the whole cache. Under jax.vmap such a call runs once an
+            example. Calls with 1-16 queries a head against at least ``_api.DECODE_MIN_KEYS``
+            keys take the same kernels on their own, differentiably.
 
     Returns:
         o, (..., Nq, dv) in q's dtype. Works eagerly and under jax.jit, jax.grad, jax.vmap.
+
+    Example (one new token a sequence against a paged cache, inside a jitted decode step):
+        >>> k_cache = jnp.zeros((num_pages, 8, 64, 128), jnp.bfloat16)   # (pages, Hk, page, d)
+        >>> o = jax.jit(cuflash.jax.attention)(q, k_cache, v_cache, page_table=block_tables,
+        ...                                    seqlens_k=context_lens)
     """
     scale = None if scale is None else float(scale)
     mask = _api.as_block_mask(block_mask, block_size)
-    options = (bool(causal), scale, mask, _api.window_option(window))
+    window = _api.window_option(window)
+    if page_table is not None or seqlens_k is not None or num_splits is not None:
+        if mask is not None:
+            raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
+                             "(the split-KV decoding path)")
+        for name, x in (("page_table", page_table), ("seqlens_k", seqlens_k)):
+            if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise TypeError(f"{name} must be an int32 array, got {type(x).__module__}.{type(x).__name__}")
+        options = (bool(causal), scale, window, _decode._check_num_splits(num_splits))
+        return _decoding_jit(q, k, v, page_table, seqlens_k, options)
+    options = (bool(causal), scale, mask, window)
     return _attention_jit(q, k, v, options, bool(deterministic))
