@@ -199,7 +199,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         if key is not None:
             _plan.remember(_forward_calls, key, plan)
     if plan.decode:
-        return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window)
+        return _decode.run_routed(plan, q, k, v, causal, scale, window)
     stream, current = _stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         o = cupy.empty(plan.o_shape, dtype=q.dtype)

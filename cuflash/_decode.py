@@ -487,3 +487,30 @@ def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, work
                0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
                ws, cupy.cuda.get_current_stream().ptr)
     return _api.AttentionOutput(o, l, m)
+
+
+def run_routed(forward_plan, q, k, v, causal: bool, scale, window) -> _api.AttentionOutput:
+    """A call of :func:`cuflash.attention` without decoding arguments that its forward plan
+    routes here (``forward_plan.decode``, see :func:`routes_short_queries`): the bound launch is
+    kept on that plan, so a repeated call looks nothing up again."""
+    import contextlib
+
+    import cupy
+
+    launch = forward_plan.decode_launch
+    if launch is None or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning raises alignment errors
+        device_id = q.data.device_id
+        with q.device:
+            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_plan.sm_count(device_id),
+                               ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
+        launch = forward_plan.decode_launch = bound_launch(plan, device_id)
+    stream, current = _api._stream_on(forward_plan.device_id)
+    with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):
+        plan = launch.plan
+        o = cupy.empty(plan.out_shape, dtype=q.dtype)
+        l = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
+        m = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
+        workspace = cupy.cuda.alloc(launch.workspace_bytes) if launch.workspace_bytes else None
+        launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, 0, 0,
+                   0 if workspace is None else workspace.ptr, stream)
+    return _api.AttentionOutput(o, l, m)

@@ -295,6 +295,7 @@ class ForwardPlan:
         self.ctx = device_context(device_id)
         self.lock = threading.Lock()
         self.decode = False  # the CuPy front end routes this signature to cuflash/_decode.py
+        self.decode_launch = None  # ... on this bound launch (cuflash._decode.run_routed)
         # (dO strides, dO dtype, deterministic) -> BackwardPlan, for the torch adapter's eager
         # backward of a call this plan ran: the rest of the backward's signature follows from it.
         self.backward_plans: dict = {}
