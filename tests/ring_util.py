@@ -1,0 +1,77 @@
+"""Ring attention test helpers: the float64 reference as a ring's local attention, random
+sharded problems, and the whole-sequence oracle (used by the CPU, GPU and torchrun tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cuflash import reference as ref
+from cuflash.distributed import LocalAttention, shard_sequence, unshard_sequence
+
+
+def _host64(t: torch.Tensor) -> np.ndarray:
+    if t.dtype != torch.float64 or t.device.type != "cpu":
+        raise TypeError(f"the reference local attention takes float64 CPU tensors, got {t.dtype} on {t.device}")
+    return t.detach().numpy()
+
+
+def _reference_forward(q, k, v, causal, scale):
+    out = ref.standard_attention(_host64(q), _host64(k), _host64(v), causal=causal, scale=scale)
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in out)
+
+
+def _reference_backward(do, q, k, v, o, l, m, causal, scale):
+    # Algorithm 4 takes the forward's o, l, m as given: with the ring's merged (global) ones it
+    # returns the block's exact share of the gradients, as cuflash's backward does.
+    grads = ref.flash_backward_tiled(*(_host64(t) for t in (do, q, k, v, o, l, m)), causal=causal, scale=scale)
+    return tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
+
+
+#: cuflash.reference (float64 NumPy) with the LocalAttention contract, for CPU rings.
+REFERENCE_LOCAL = LocalAttention(_reference_forward, _reference_backward)
+
+
+class RecordingLocal:
+    """A LocalAttention wrapper that records every forward block as (Nq, Nk, causal)."""
+
+    def __init__(self, inner: LocalAttention):
+        self.inner = inner
+        self.calls = []
+
+    def forward(self, q, k, v, causal, scale):
+        self.calls.append((q.shape[-2], k.shape[-2], causal))
+        return self.inner.forward(q, k, v, causal, scale)
+
+    def as_local(self) -> LocalAttention:
+        return LocalAttention(self.forward, self.inner.backward)
+
+
+def allowed_pairs(nq: int, nk: int, causal: bool) -> int:
+    """(query, key) pairs cuflash's (bottom-right aligned) causal mask allows in an nq x nk block."""
+    return int(ref.allowed_keys(nq, nk, causal=causal).sum())
+
+
+def random_problem(rng, batch, hq, hk, n, d, dv, dtype=np.float64):
+    """q (B, Hq, N, d), k (B, Hk, N, d), v (B, Hk, N, dv), do like o: NumPy arrays in ``dtype``
+    (values of that precision held in float32 for the 16-bit types, so torch can take them)."""
+    shapes = ((batch, hq, n, d), (batch, hk, n, d), (batch, hk, n, dv), (batch, hq, n, dv))
+    arrays = [rng.standard_normal(s) for s in shapes]
+    if dtype in ("float16", "bfloat16"):
+        arrays = [ref.round_to(a, dtype).astype(np.float32) for a in arrays]
+    return arrays
+
+
+def sharded(arrays, world_size, layout, *, dtype=torch.float64, device="cpu", requires_grad=False):
+    """Per-rank lists of shards (torch tensors) of each whole-sequence array."""
+    out = []
+    for a in arrays:
+        whole = torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        shards = [s.contiguous() for s in shard_sequence(whole, world_size, layout)]
+        out.append([s.requires_grad_(requires_grad) for s in shards])
+    return out
+
+
+def whole(shards, layout) -> np.ndarray:
+    """The whole-sequence float64 NumPy array of per-rank shards."""
+    return unshard_sequence([s.detach().to("cpu", torch.float64) for s in shards], layout).numpy()
