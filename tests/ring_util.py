@@ -75,3 +75,39 @@ def sharded(arrays, world_size, layout, *, dtype=torch.float64, device="cpu", re
 def whole(shards, layout) -> np.ndarray:
     """The whole-sequence float64 NumPy array of per-rank shards."""
     return unshard_sequence([s.detach().to("cpu", torch.float64) for s in shards], layout).numpy()
+
+
+def max_err(a, b) -> float:
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
+def check_ring_result(o, grads, q, k, v, do, *, causal, dtype, stats=None):
+    """A ring's whole-sequence o and (dq, dk, dv) (float64 NumPy) against the float64 reference.
+
+    q, k, v, do: the whole-sequence inputs (NumPy, values of ``dtype``). float64: within 1e-12
+    of the reference (rounding only). 16-bit: o within 2x, gradients within 3x the error of
+    plain attention in ``dtype`` (the project's rule). stats: optional whole-sequence (l, m),
+    compared as check_forward compares the kernels' (float64: 1e-12). Returns the errors (o, dq, dk, dv).
+    """
+    exact = ref.standard_attention(q, k, v, causal=causal)
+    exact_grads = ref.standard_attention_backward(do, q, k, v, causal=causal)
+    if dtype == "float64":
+        bounds = [1e-12] * 4
+    else:
+        plain = ref.lowp_attention(q, k, v, dtype=dtype, causal=causal)
+        plain_grads = ref.lowp_attention_backward(do, q, k, v, dtype=dtype, causal=causal)
+        bounds = [2 * max_err(plain.o, exact.o) + 1e-6] + [3 * max_err(p, e) + 1e-6
+                                                           for p, e in zip(plain_grads, exact_grads)]
+    errors = []
+    for name, got, want, bound in zip(("o", "dq", "dk", "dv"), (o, *grads), (exact.o, *exact_grads), bounds):
+        assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+        assert not np.isnan(got).any(), f"NaN in {name}"
+        err = max_err(got, want)
+        assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} ({dtype})"
+        errors.append(err)
+    if stats is not None:
+        # float32 statistics, as tests/gpu_util.py's check_forward holds the kernels to
+        l_rtol, m_tol = (1e-12, 1e-12) if dtype == "float64" else (1e-4, 2e-5)
+        np.testing.assert_allclose(stats[0], exact.l, rtol=l_rtol, err_msg="l")
+        np.testing.assert_allclose(stats[1], exact.m, rtol=m_tol, atol=m_tol, err_msg="m")
+    return errors
