@@ -111,3 +111,18 @@ def check_ring_result(o, grads, q, k, v, do, *, causal, dtype, stats=None):
         np.testing.assert_allclose(stats[0], exact.l, rtol=l_rtol, err_msg="l")
         np.testing.assert_allclose(stats[1], exact.m, rtol=m_tol, atol=m_tol, err_msg="m")
     return errors
+
+
+def poison_torch_cache(device, small_blocks=256, large_bytes=64 << 20):
+    """Fill freed blocks of torch's caching allocator on ``device`` with 0xFF bytes (NaN in
+    float16, bfloat16 and float32), so that tensors it hands out next -- the kernels' outputs
+    -- start as NaN unless written. torch has no fill-on-allocate switch: this is the cache's
+    free memory, poisoned, which later allocations of up to ``large_bytes`` are carved from."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    # 512 KiB requests come from the small-object pool (under 1 MiB), the last from the large one.
+    held = [torch.empty(1 << 19, dtype=torch.uint8, device=device) for _ in range(small_blocks)]
+    held.append(torch.empty(large_bytes, dtype=torch.uint8, device=device))
+    for block in held:
+        block.fill_(0xFF)
+    del held

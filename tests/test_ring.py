@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cuflash import reference as ref
-from cuflash.distributed import (LAYOUTS, SimulatedRing, _blocks, ring_attention, shard_sequence,
+from cuflash.distributed import (LAYOUTS, LocalAttention, SimulatedRing, _blocks, ring_attention, shard_sequence,
                                  unshard_sequence)
 from ring_util import REFERENCE_LOCAL, RecordingLocal, allowed_pairs, check_ring_result, random_problem, sharded, whole
 
@@ -97,6 +97,67 @@ def test_layouts_agree_and_no_grad_matches(layout, rng):
     for a, b in zip(with_grad, without):
         torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
     np.testing.assert_allclose(whole(without, layout), ref.standard_attention(q, k, v).o, rtol=0, atol=1e-12)
+
+
+def _rounded_to(dtype, tensors):
+    return tuple(t.to(dtype) for t in tensors)
+
+
+def _bf16_outputs_local():
+    """The float64 reference on bfloat16 shards with cuflash's output dtypes: o and the
+    gradients rounded to bfloat16, l and m float32 -- the roundings a ring adds to the
+    kernels' own error (each block's o, and each block's gradient terms, in bfloat16)."""
+
+    def forward(q, k, v, causal, scale):
+        o, l, m = REFERENCE_LOCAL.forward(*_rounded_to(torch.float64, (q, k, v)), causal, scale)
+        return o.to(torch.bfloat16), l.float(), m.float()
+
+    def backward(do, q, k, v, o, l, m, causal, scale):
+        grads = REFERENCE_LOCAL.backward(*_rounded_to(torch.float64, (do, q, k, v, o, l, m)), causal, scale)
+        return _rounded_to(torch.bfloat16, grads)
+
+    return LocalAttention(forward, backward)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("world_size", (2, 8))
+def test_bf16_block_outputs_keep_the_ring_within_the_error_budget(world_size, causal, layout, rng):
+    """W blocks a row, each block's o and gradient terms rounded to bfloat16 and summed in
+    float32, stay inside the 2x / 3x budget of plain bfloat16 attention that the GPU tests
+    hold the kernels to (measured: up to about 1.2x plain, so the kernels' own error must fit
+    in what is left)."""
+    chunk, n_dims = 24, (1, 4, 2)
+    n = world_size * chunk * (2 if layout == "zigzag" else 1)
+    arrays = random_problem(rng, *n_dims, n, 64, 64, dtype="bfloat16")
+    qs, ks, vs = sharded(arrays[:3], world_size, layout, dtype=torch.bfloat16, requires_grad=True)
+    (dos,) = sharded(arrays[3:], world_size, layout, dtype=torch.bfloat16)
+    outs = ring_attention(qs, ks, vs, causal=causal, layout=layout, communicator=SimulatedRing(world_size),
+                          local_attention=_bf16_outputs_local())
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    torch.autograd.backward(outs, dos)
+    grads = tuple(whole([t.grad for t in shards], layout) for shards in (qs, ks, vs))
+    check_ring_result(whole(outs, layout), grads, *arrays, causal=causal, dtype="bfloat16")
+
+
+def test_blocks_reach_the_local_attention_as_cuflash_reads_them(rng):
+    """What the ring hands its local attention meets cuflash's launch checks: l and m
+    C-contiguous (the backward refuses strided statistics), do and o the rows' (.., Nq, dv),
+    the last dim of every operand contiguous."""
+    world_size, chunk = 3, 4
+    arrays = random_problem(rng, 1, 4, 2, world_size * 2 * chunk, 8, 16)
+    seen = []
+
+    def backward(do, q, k, v, o, l, m, causal, scale):
+        seen.append(causal)
+        assert l.is_contiguous() and m.is_contiguous() and l.shape == m.shape == q.shape[:-1]
+        assert do.shape == o.shape == q.shape[:-1] + v.shape[-1:]
+        assert all(t.stride(-1) == 1 for t in (do, q, k, v, o))
+        return REFERENCE_LOCAL.backward(do, q, k, v, o, l, m, causal, scale)
+
+    o, grads, stats = run_ring(arrays, world_size, "zigzag", True, LocalAttention(REFERENCE_LOCAL.forward, backward))
+    assert True in seen and False in seen
+    check_ring_result(o, grads, *arrays, causal=True, dtype="float64", stats=stats)
 
 
 # ---- the work each rank does -----------------------------------------------------------------
