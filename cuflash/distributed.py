@@ -238,12 +238,15 @@ def _run_blocking(program: Generator):
 
 
 class _TorchExchange(PendingExchange):
-    def __init__(self, works, received):
-        self.works, self.received = works, received
+    def __init__(self, works, sent, received):
+        # The sent tensors are held until the wait: the ring drops its own references to them
+        # (the backward's dk, dv) while NCCL may still be reading them on its stream.
+        self.works, self.sent, self.received = works, sent, received
 
     def wait(self):
         for work in self.works:
             work.wait()  # on NCCL: torch's current stream waits for the transfer, the host does not
+        self.sent = None
         return self.received
 
 
@@ -272,7 +275,7 @@ class TorchDistributedCommunicator(RingCommunicator):
         following, preceding = (rank + 1) % self.world_size, (rank - 1) % self.world_size
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=following) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=preceding) for t in received]
-        return _TorchExchange(dist.batch_isend_irecv(ops), tuple(received))
+        return _TorchExchange(dist.batch_isend_irecv(ops), tuple(tensors), tuple(received))
 
     def run(self, programs):
         if len(programs) != 1:
