@@ -76,8 +76,9 @@ def _chunks_per_rank(layout) -> int:
 
 
 def _chunks_of_rank(rank: int, world_size: int, layout: str) -> tuple:
-    """The sequence chunks (of W chunk_per_rank equal ones) rank ``rank`` holds, in the order
-    its shard stores them -- ascending for both layouts, which :func:`_blocks` relies on."""
+    """Which of the sequence's W * _chunks_per_rank(layout) equal chunks rank ``rank`` holds,
+    in the order its shard stores them: ascending in both layouts, which :func:`_blocks`
+    relies on."""
     if layout == "contiguous":
         return (rank,)
     return (rank, 2 * world_size - 1 - rank)

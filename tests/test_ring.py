@@ -219,6 +219,13 @@ def test_shard_and_unshard_are_inverse(world_size, layout):
     torch.testing.assert_close(unshard_sequence(shards, layout), x, rtol=0, atol=0)
 
 
+def test_shard_sequence_needs_a_divisible_length():
+    with pytest.raises(ValueError, match=r"divisible by 6 \(zigzag layout over 3 ranks\), got shape \(2, 9, 4\)"):
+        shard_sequence(torch.zeros(2, 9, 4), 3, "zigzag")
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        shard_sequence(torch.zeros(2, 9, 4), 0)
+
+
 def test_zigzag_shards_hold_chunks_r_and_2w_minus_1_minus_r():
     shards = shard_sequence(torch.arange(8)[:, None], 2, "zigzag")
     assert [s[:, 0].tolist() for s in shards] == [[0, 1, 6, 7], [2, 3, 4, 5]]
