@@ -106,6 +106,7 @@ class TensorCoreForward(_Launch):
     causal: bool
     qk_unroll: int = 2  # unroll of the QK^T k-loop when a warp holds several row tiles
     sparse: bool = False  # walks block-sparse tile lists (FwdParams::tile_lists)
+    varlen: bool = False  # a packed variable-length batch (FwdParams::cu_seqlens_q, kernels/slice.cuh)
 
     source = "flash_fwd.cu"
     key_prefix = "fwd"
@@ -121,7 +122,7 @@ class TensorCoreForward(_Launch):
     def name_expression(self) -> str:
         return _instance("flash_fwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
                          self.block_cols, self.warps, self.min_blocks, self.causal, self.qk_unroll, self.sparse,
-                         self.smem_bytes())
+                         self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
