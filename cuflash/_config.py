@@ -170,6 +170,7 @@ class HopperForward(_Launch):
     # overlap this one's epilogue
     causal: bool
     sparse: bool = False
+    varlen: bool = False  # a packed variable-length batch (never persistent: one slice a CTA)
 
     source = "flash_fwd_sm90.cu"
     key_prefix = "fwd_sm90"
@@ -196,7 +197,7 @@ class HopperForward(_Launch):
     def name_expression(self) -> str:
         return _instance("flash_fwd_sm90_kernel", self.dtype, self.head_dim, self.block_cols, self.stages,
                          self.overlap, self.pingpong, self.tma, self.persistent, self.causal, self.sparse,
-                         self.smem_bytes())
+                         self.varlen, self.smem_bytes())
 
 
 # (block_cols, stages, overlap, pingpong, persistent) of the wgmma forward per head dim. Its
@@ -353,6 +354,7 @@ class BackwardPreprocess(_Launch):
 
     dtype: str
     warps: int = 8  # one row per warp
+    varlen: bool = False
 
     source = "flash_bwd.cu"
     key_prefix = "bwd_pre"
@@ -362,7 +364,7 @@ class BackwardPreprocess(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return _instance("flash_bwd_preprocess", self.dtype, self.warps)
+        return _instance("flash_bwd_preprocess", self.dtype, self.warps, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +393,7 @@ class TensorCoreBackward(_Launch):
     k_unroll_s: int = 1  # unroll of the k-loops of S and dP
     k_unroll_o: int = 1  # ... and of dV, dK and dQ
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_bwd.cu"
     key_prefix = "bwd"
@@ -406,7 +409,7 @@ class TensorCoreBackward(_Launch):
         return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
                          self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
                          self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows,
-                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.smem_bytes())
+                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +425,7 @@ class TensorCoreBackwardDq(_Launch):
     min_blocks: int
     causal: bool
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_bwd.cu"
     key_prefix = "bwd_dq"
@@ -434,7 +438,8 @@ class TensorCoreBackwardDq(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_dq_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
-                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.smem_bytes())
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.varlen,
+                         self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
