@@ -39,7 +39,6 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
     const i64 nq = g.nq, nk = g.nk;
     const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
@@ -49,6 +48,7 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
 #pragma unroll 1
     for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
         if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
         const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
         const i64 j0 = (i64)key_tile * BK;
         load_rows_f32(sK, in.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
@@ -121,7 +121,6 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
     const i64 nq = g.nq, nk = g.nk;
     const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
@@ -131,6 +130,7 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
 #pragma unroll 1
     for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
         if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
         const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
         const i64 q0 = (i64)q_tile * BR;
         load_rows_f32(sQ, in.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);

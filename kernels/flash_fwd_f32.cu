@@ -52,7 +52,6 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const SliceGeometry g = slice_geometry<VARLEN>(p, bidx);
     const i64 nq = g.nq, nk = g.nk;
     const float* gQ = static_cast<const float*>(p.q) + g.q;
@@ -63,6 +62,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
 #pragma unroll 1
     for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
         if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
         const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
         const i64 q0 = (i64)q_tile * BR;
         const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
