@@ -415,7 +415,8 @@ def attention(
     causal, scale = bool(causal), None if scale is None else float(scale)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
-        _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k)
+        if not torch.compiler.is_compiling():  # traced, the operator checks them when it runs
+            _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k)
         max_q, max_k = (-1 if x is None else _checks.check_max_seqlen(name, x)
                         for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
         left, right = window or NO_WINDOW
