@@ -131,14 +131,17 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     }
     __syncthreads();
 
-    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
-    const i64 nq = g.nq, nk = g.nk;
-    const Band band = g.band<CAUSAL>(p);
-    const int n_k_tiles = tiles_of(nk, kBwd90Keys);
+    // Each side takes the geometry itself: a dense producer's offsets (64-bit divisions) stay
+    // out of the consumers' code.
+    auto geometry = [&] { return slice_geometry<VARLEN>(p, bidx, b.nq_pad); };
 
     if (warpgroup == 0) {
         // ---- producer ----
         sm90::release_registers<kBwd90ProducerRegisters>();
+        const SliceGeometry g = geometry();
+        const i64 nq = g.nq, nk = g.nk;
+        const Band band = g.band<CAUSAL>(p);
+        const int n_k_tiles = tiles_of(nk, kBwd90Keys);
         u32 ring = 0;  // query tiles of the earlier items
 #pragma unroll 1
         for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
@@ -175,6 +178,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     } else {
         // ---- consumers: 64 keys each ----
         sm90::claim_registers<kBwd90ConsumerRegisters>();
+        const SliceGeometry g = geometry();
+        const i64 nq = g.nq, nk = g.nk;
+        const Band band = g.band<CAUSAL>(p);
+        const int n_k_tiles = tiles_of(nk, kBwd90Keys);
         u32 ring = 0, kv_round = 0;  // query tiles and K / V loads of the earlier items
 #pragma unroll 1
         for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
