@@ -113,7 +113,8 @@ def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
-              window=None, page_table=None, seqlens_k=None, num_splits=None) -> AttentionOutput:
+              window=None, page_table=None, seqlens_k=None, num_splits=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> AttentionOutput:
     """Exact scaled dot-product attention, computed tile by tile (FlashAttention).
 
     Args:
@@ -163,6 +164,16 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         num_splits: the split-KV decoding path's number of key splits (None: chosen from the
             shapes and the SM count). Calls with 1-16 queries a head against at least 256 keys
             (16-bit, head dims up to 128, no block mask) take that path on their own.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch
+            (as flash_attn_varlen_func): q (Hq, total_q, d), k (Hk, total_k, d), v (Hk,
+            total_k, dv), and int32 device arrays of length batch + 1; sequence b owns rows
+            [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], ...) of k and v.
+            Causal and window are aligned at each sequence's bottom right. The host never reads
+            the boundaries: each is clamped into [0, total] and an end before its start is an
+            empty sequence. max_seqlen_q / _k (host ints) size the grid only, a longer sequence
+            is still computed whole; None computes them from the boundaries (one host sync).
+            Returns o (Hq, total_q, dv), l and m (Hq, total_q); rows that no sequence covers are
+            left unwritten. Not with block_mask or the decoding arguments.
 
     Returns:
         AttentionOutput(o, l, m) of CuPy arrays: o (..., Nq, dv) in q's dtype, l and m
@@ -179,6 +190,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
     import cupy
 
     q, k, v = as_cupy(q, "q"), as_cupy(k, "k"), as_cupy(v, "v")
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _checks.check_varlen_options(block_mask, page_table, seqlens_k, num_splits)
+        return _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k)
     try:
         key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
                q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
@@ -209,6 +224,62 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
     return AttentionOutput(o, l, m)
 
 
+# ---- packed variable-length batches --------------------------------------------------------
+
+
+def varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q):
+    """cu_seqlens_q / _k as CuPy arrays, checked (dtype, rank, length, q's device); returns them
+    and the number of sequences. Their values are not read."""
+    cu = [None if c is None else as_cupy(c, n) for c, n in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                            (cu_seqlens_k, "cu_seqlens_k"))]
+    meta = [None if c is None else (c.shape, _checks.dtype_name(c.dtype), c.data.device_id) for c in cu]
+    num_seqs = _checks.check_cu_seqlens(*meta, q.data.device_id)
+    return cu[0], cu[1], num_seqs
+
+
+def longest_sequence(cu, total: int) -> int:
+    """The longest sequence that boundaries ``cu`` delimit in ``total`` packed rows, by the
+    kernels' clamping rule (kernels/slice.cuh); one device-to-host copy."""
+    import cupy
+
+    bounded = cupy.clip(cu, 0, total)
+    return max(0, int((bounded[1:] - bounded[:-1]).max())) if cu.size > 1 else 0
+
+
+def _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """max_seqlen_q / _k checked, or computed from the boundaries where None (a host sync)."""
+    import cupy
+
+    max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if max_q is None or max_k is None:
+        with cupy.cuda.Device(cu_q.data.device_id):
+            max_q = longest_sequence(cu_q, total_q) if max_q is None else max_q
+            max_k = longest_sequence(cu_k, total_k) if max_k is None else max_k
+    return max_q, max_k
+
+
+def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    import cupy
+
+    cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
+    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
+    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
+    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+    device = _one_device((q, k, v), "q, k and v")
+    plan = _plan.varlen_forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
+                                     _element_strides(v), dtype, device, causal, scale, window_option(window),
+                                     num_seqs, max_q, (q.data.ptr, k.data.ptr, v.data.ptr))
+    stream, current = _stream_on(plan.device_id)
+    with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
+        o = cupy.empty(plan.o_shape, dtype=q.dtype)
+        l = cupy.empty(plan.stats_shape, dtype=np.float32)
+        m = cupy.empty(plan.stats_shape, dtype=np.float32)
+    plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream, cu_q.data.ptr,
+             cu_k.data.ptr)
+    return AttentionOutput(o, l, m)
+
+
 class AttentionGradients(NamedTuple):
     """What :func:`attention_backward` returns: dq, dk, dv shaped and typed like q, k, v."""
 
@@ -236,7 +307,8 @@ def _sum_keeping(x, axes):
 
 def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None,
                        deterministic: bool = False, block_mask=None, block_size=None,
-                       window=None) -> AttentionGradients:
+                       window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None) -> AttentionGradients:
     """Gradients of :func:`attention`, recomputing S and P tile by tile (no N x N buffer).
 
     Args:
@@ -247,7 +319,10 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         deterministic: bit-identical gradients across runs. The default accumulates dQ with
             float atomics across key tiles; ``True`` computes dQ in a separate pass that
             recomputes S and dP per query tile (two more matmuls, no atomics). float32 is
-            always deterministic.
+            always deterministic. Varlen calls keep this (their own dQ pass).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch,
+            as given to the forward (do, o (Hq, total_q, dv); l, m (Hq, total_q)). Gradient
+            rows that no sequence covers are unspecified.
 
     Returns:
         AttentionGradients(dq, dk, dv) of CuPy arrays with q's, k's and v's shapes and dtype.
@@ -259,10 +334,12 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         >>> o, l, m = cuflash.attention(q, k, v, causal=True)
         >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, l, m, causal=True)
     """
-    import cupy
-
     names = ("do", "q", "k", "v", "o", "l", "m")
     arrays = tuple(as_cupy(x, n) for x, n in zip((do, q, k, v, o, l, m), names))
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _checks.check_varlen_options(block_mask)
+        return _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k)
     try:
         key = tuple((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
             causal, scale, deterministic, block_mask, block_size, window, _config.GENERATION[0])
@@ -273,6 +350,13 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         plan = _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window)
         if key is not None:
             _plan.remember(_backward_calls, key, plan)
+    return _run_backward(plan, arrays)
+
+
+def _run_backward(plan, arrays, *cu_seqlens):
+    """Outputs and workspace from CuPy's pool, the plan's launches on CuPy's current stream."""
+    import cupy
+
     do, q, k, v, o, l, m = arrays
     stream, current = _stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
@@ -280,9 +364,26 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = workspace.ptr if workspace is not None else 0
         plan.run(do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
-                 *(0 if g is None else g.data.ptr for g in grads), base, stream)
+                 *(0 if g is None else g.data.ptr for g in grads), base, stream, *cu_seqlens)
         for index, g in enumerate(plan.grads):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
                 grads[index] = _broadcast.reduce_to(acc, plan.out_lead, g.shape, g.group, _sum_keeping).astype(q.dtype)
     return AttentionGradients(*grads)
+
+
+def _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k):
+    do, q, k, v, o, l, m = arrays
+    cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
+    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
+    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
+    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+    _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
+    device = _one_device(arrays, "all arguments")
+    tensors = (do, q, k, v, o)
+    stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
+    plan = _plan.varlen_backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),
+                                      dtype, stats, device, causal, scale, window_option(window), deterministic,
+                                      num_seqs, max_q, max_k, tuple(x.data.ptr for x in tensors))
+    return _run_backward(plan, arrays, cu_q.data.ptr, cu_k.data.ptr)

@@ -209,3 +209,60 @@ def check_like_q(dtype: str, **dtypes):
     for name, t in dtypes.items():
         if dtype_name(t) != dtype:
             raise TypeError(f"{name} must have q's dtype {dtype}, got {dtype_name(t)}")
+
+
+# ---- packed variable-length batches (varlen) --------------------------------------------------
+
+
+def check_varlen_shapes(q_shape, k_shape, v_shape):
+    """A varlen call's q (Hq, total_q, d), k (Hk, total_k, d), v (Hk, total_k, dv): three dims."""
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 3:
+            raise ValueError(
+                f"with cu_seqlens, {name} must have shape (heads, total_tokens, head_dim) (a (total, heads, "
+                f"head_dim) tensor passes as .transpose(0, 1)), got {tuple(shape)}"
+            )
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, device) -> int:
+    """The number of sequences of a varlen call. Each argument is (shape, dtype name, device) of
+    a cu_seqlens array, or None; ``device`` is q's. The values are never read here."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        given = "cu_seqlens_q" if cu_seqlens_k is None else "cu_seqlens_k"
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be given together; only {given} was given")
+    for name, (shape, dtype, dev) in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if dtype != "int32" or len(shape) != 1 or shape[0] < 1:
+            raise ValueError(
+                f"{name} must be a 1-D int32 array of length batch + 1, got shape {tuple(shape)}, dtype {dtype}"
+            )
+        if dev != device:
+            raise ValueError(f"{name} must be on q's device {device}, got device {dev}")
+    if cu_seqlens_q[0] != cu_seqlens_k[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got shapes "
+            f"{tuple(cu_seqlens_q[0])} and {tuple(cu_seqlens_k[0])}"
+        )
+    return cu_seqlens_q[0][0] - 1
+
+
+def check_max_seqlen(name, value):
+    """max_seqlen_q / max_seqlen_k: None (computed from the lengths) or a host int >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a host int (or None), got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_varlen_options(block_mask=None, page_table=None, seqlens_k=None, num_splits=None):
+    """What a varlen call cannot be combined with."""
+    if block_mask is not None:
+        raise ValueError("block_mask cannot be combined with cu_seqlens_q / cu_seqlens_k (packed variable-length "
+                         "batches); use window= or causal= for per-sequence masks")
+    decoding = [n for n, x in (("page_table", page_table), ("seqlens_k", seqlens_k), ("num_splits", num_splits))
+                if x is not None]
+    if decoding:
+        raise ValueError(f"{', '.join(decoding)} (the split-KV decoding path) cannot be combined with cu_seqlens_q / "
+                         f"cu_seqlens_k (packed variable-length batches)")

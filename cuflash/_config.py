@@ -106,6 +106,7 @@ class TensorCoreForward(_Launch):
     causal: bool
     qk_unroll: int = 2  # unroll of the QK^T k-loop when a warp holds several row tiles
     sparse: bool = False  # walks block-sparse tile lists (FwdParams::tile_lists)
+    varlen: bool = False  # a packed variable-length batch (FwdParams::cu_seqlens_q, kernels/slice.cuh)
 
     source = "flash_fwd.cu"
     key_prefix = "fwd"
@@ -121,7 +122,7 @@ class TensorCoreForward(_Launch):
     def name_expression(self) -> str:
         return _instance("flash_fwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
                          self.block_cols, self.warps, self.min_blocks, self.causal, self.qk_unroll, self.sparse,
-                         self.smem_bytes())
+                         self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,7 @@ class Float32Forward(_Launch):
     warps: int = 4
     rows_per_warp: int = 8
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_fwd_f32.cu"
     key_prefix = "fwd"
@@ -150,7 +152,7 @@ class Float32Forward(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_fwd_f32_kernel", self.value_tiles, self.warps, self.rows_per_warp, self.causal,
-                         self.sparse)
+                         self.sparse, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +171,7 @@ class HopperForward(_Launch):
     # overlap this one's epilogue
     causal: bool
     sparse: bool = False
+    varlen: bool = False  # a packed variable-length batch (never persistent: one slice a CTA)
 
     source = "flash_fwd_sm90.cu"
     key_prefix = "fwd_sm90"
@@ -195,7 +198,7 @@ class HopperForward(_Launch):
     def name_expression(self) -> str:
         return _instance("flash_fwd_sm90_kernel", self.dtype, self.head_dim, self.block_cols, self.stages,
                          self.overlap, self.pingpong, self.tma, self.persistent, self.causal, self.sparse,
-                         self.smem_bytes())
+                         self.varlen, self.smem_bytes())
 
 
 # (block_cols, stages, overlap, pingpong, persistent) of the wgmma forward per head dim. Its
@@ -265,7 +268,7 @@ _TC_FORWARD_TILES = {
 
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
                    wgmma: bool = False, nq: typing.Optional[int] = None, tma: bool = True,
-                   slices: int = 1):
+                   slices: int = 1, varlen: bool = False):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
@@ -275,7 +278,13 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     the copy engine can map q, k and v (else the wgmma forward loads with cp.async).
     ``slices``: the launch's (batch..., head) slices; a persistent grid counts its items
     (query tiles x slices) in 32 bits, so past 2^31 items it runs one item a CTA.
+    ``varlen``: a packed variable-length batch: the same tiles in their VARLEN form (never
+    block-sparse, and on wgmma never persistent: a CTA keeps one sequence and head).
     """
+    if varlen:
+        variant = forward_config(dtype, d, dv, causal, tiles=tiles, wgmma=wgmma, nq=nq, tma=tma, slices=slices)
+        extra = {"persistent": False} if isinstance(variant, HopperForward) else {}
+        return dataclasses.replace(variant, varlen=True, **extra)
     if wgmma and tiles is None and _wgmma_forward[0] and dtype in _TYPE_TAG and d == dv and d in _SM90_FORWARD_TILES:
         *schedule, persistent = _SM90_FORWARD_TILES[d]
         q_tiles = None if nq is None else -(-nq // HopperForward.block_rows)
@@ -312,13 +321,20 @@ def all_forward_variants(wgmma: bool = False):
                                       dataclasses.replace(variant, persistent=False),
                                       dataclasses.replace(variant, tma=False, persistent=False)}
                         variants += sorted(forms, key=lambda v: v.key)
+                        if not sparse:  # varlen: one item a CTA, TMA or cp.async
+                            packed = forward_config(dtype, hd, hd, causal, wgmma=True, varlen=True)
+                            variants += [packed, dataclasses.replace(packed, tma=False)]
     for sparse in (False, True):
         for causal in (False, True):
             for dtype in ("float16", "bfloat16"):
                 for hd in HEAD_DIM_BUCKETS:
                     variants.append(forward_config(dtype, hd, hd, causal, sparse=sparse))
+                    if not sparse:
+                        variants.append(forward_config(dtype, hd, hd, causal, varlen=True))
             for dvt in range(1, MAX_HEAD_DIM // 32 + 1):
                 variants.append(forward_config("float32", 32 * dvt, 32 * dvt, causal, sparse=sparse))
+                if not sparse:
+                    variants.append(forward_config("float32", 32 * dvt, 32 * dvt, causal, varlen=True))
     return variants
 
 
@@ -352,6 +368,7 @@ class BackwardPreprocess(_Launch):
 
     dtype: str
     warps: int = 8  # one row per warp
+    varlen: bool = False
 
     source = "flash_bwd.cu"
     key_prefix = "bwd_pre"
@@ -361,7 +378,7 @@ class BackwardPreprocess(_Launch):
 
     @property
     def name_expression(self) -> str:
-        return _instance("flash_bwd_preprocess", self.dtype, self.warps)
+        return _instance("flash_bwd_preprocess", self.dtype, self.warps, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +407,7 @@ class TensorCoreBackward(_Launch):
     k_unroll_s: int = 1  # unroll of the k-loops of S and dP
     k_unroll_o: int = 1  # ... and of dV, dK and dQ
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_bwd.cu"
     key_prefix = "bwd"
@@ -405,7 +423,7 @@ class TensorCoreBackward(_Launch):
         return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
                          self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
                          self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows,
-                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.smem_bytes())
+                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +439,7 @@ class TensorCoreBackwardDq(_Launch):
     min_blocks: int
     causal: bool
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_bwd.cu"
     key_prefix = "bwd_dq"
@@ -433,7 +452,8 @@ class TensorCoreBackwardDq(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_dq_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
-                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.smem_bytes())
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.varlen,
+                         self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,6 +465,7 @@ class Float32BackwardDkDv(_Launch):
     warps: int = 4
     keys_per_warp: int = 4
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_bwd_f32.cu"
     key_prefix = "bwd_dkdv"
@@ -462,7 +483,7 @@ class Float32BackwardDkDv(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_dkdv_f32_kernel", self.dim_tiles, self.dim_tiles, self.warps,
-                         self.keys_per_warp, self.causal, self.sparse)
+                         self.keys_per_warp, self.causal, self.sparse, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +495,7 @@ class Float32BackwardDq(_Launch):
     warps: int = 4
     rows_per_warp: int = 8
     sparse: bool = False
+    varlen: bool = False
 
     source = "flash_bwd_f32.cu"
     key_prefix = "bwd_dq"
@@ -491,7 +513,7 @@ class Float32BackwardDq(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_dq_f32_kernel", self.dim_tiles, self.warps, self.rows_per_warp, self.causal,
-                         self.sparse)
+                         self.sparse, self.varlen)
 
 
 # (query rows per tile, keys per CTA, warps, min_blocks, warps along S's queries, along dK/dV's
@@ -542,6 +564,7 @@ class HopperBackward(_Launch):
     stages: int = 2
     sparse: bool = False
     bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
+    varlen: bool = False
 
     source = "flash_bwd_sm90.cu"
     key_prefix = "bwd_sm90"
@@ -566,7 +589,7 @@ class HopperBackward(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
-                         self.causal, self.sparse, self.bulk_dq, self.smem_bytes())
+                         self.causal, self.sparse, self.bulk_dq, self.varlen, self.smem_bytes())
 
 
 # Per head dim: the wgmma backward's atomic dQ added tile by tile by one bulk reduction on the
@@ -594,10 +617,20 @@ class BackwardPlan(typing.NamedTuple):
 
 def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *,
                   hopper: bool = True, sparse: bool = False, wgmma: bool = False,
-                  wgmma_backward_on: typing.Optional[bool] = None) -> BackwardPlan:
+                  wgmma_backward_on: typing.Optional[bool] = None, varlen: bool = False) -> BackwardPlan:
     """The kernels one backward launches; ``hopper``: the GPU has compute capability >= 9.0;
     ``sparse``: they walk block-sparse tile lists; ``wgmma``: the GPU has wgmma, and the
-    wgmma key pass is switched on (``wgmma_backward_on``, default the module switch)."""
+    wgmma key pass is switched on (``wgmma_backward_on``, default the module switch);
+    ``varlen``: a packed variable-length batch, every kernel in its VARLEN form (never sparse)."""
+    if varlen:
+        plan = backward_plan(dtype, d, dv, causal, deterministic, hopper=hopper, wgmma=wgmma,
+                             wgmma_backward_on=wgmma_backward_on)
+
+        def packed(kernel):
+            return None if kernel is None else dataclasses.replace(kernel, varlen=True)
+
+        return BackwardPlan(packed(plan.preprocess), tuple(map(packed, plan.key_passes)), packed(plan.dq),
+                            plan.atomic_dq)
     causal, sparse = bool(causal), bool(sparse)
     pre = BackwardPreprocess(dtype)
     on = _wgmma_backward[0] if wgmma_backward_on is None else wgmma_backward_on
@@ -646,9 +679,9 @@ def all_backward_variants(hopper: bool = True, wgmma: bool = False):
             for dtype in _TYPE_TAG:
                 for dim in (64, 128):
                     for deterministic in (False, True):
-                        for sparse in (False, True):
+                        for sparse, varlen in ((False, False), (True, False), (False, True)):
                             plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper,
-                                                 sparse=sparse, wgmma=True, wgmma_backward_on=True)
+                                                 sparse=sparse, wgmma=True, wgmma_backward_on=True, varlen=varlen)
                             for kernel in (*plan.key_passes, plan.dq):
                                 if kernel is not None:
                                     variants[kernel.key] = kernel
@@ -656,9 +689,9 @@ def all_backward_variants(hopper: bool = True, wgmma: bool = False):
         for dtype in SUPPORTED_DTYPES:
             for dim in (HEAD_DIM_BUCKETS if dtype != "float32" else range(32, MAX_HEAD_DIM + 1, 32)):
                 for deterministic in (False, True):
-                    for sparse in (False, True):
+                    for sparse, varlen in ((False, False), (True, False), (False, True)):
                         plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper, sparse=sparse,
-                                             wgmma_backward_on=False)
+                                             wgmma_backward_on=False, varlen=varlen)
                         for kernel in (plan.preprocess, *plan.key_passes, plan.dq):
                             if kernel is not None:
                                 variants[kernel.key] = kernel

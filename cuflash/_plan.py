@@ -15,6 +15,7 @@ allocate their outputs their own way and share the plans.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import struct
@@ -185,24 +186,30 @@ FWD_PARAM_FORMAT = "<" + "".join((
     "QQQ",                      # tile_counts, tile_lists, blocks
     "qq" + "q" * 4,             # n_outer, list_stride; block_q, block_k, mask_tq, mask_tk
     "q" * MAX_LEAD_DIMS,        # mask_lead_stride
+    "QQq",                      # cu_seqlens_q, cu_seqlens_k; num_seqs
 ))
+# The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
+CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-3]) // 8
 # struct BwdParams: the nine pointers first (words 0-8).
 BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "q"
 # struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.
 REDUCE_PARAM_FORMAT = "<QQqqq"
 # The block-sparsity fields of a dense launch: null lists, so the kernel walks every tile.
 DENSE_TILES = (0,) * (3 + 2 + 4 + MAX_LEAD_DIMS)
-DENSE_SPARSITY = _checks.NO_WINDOW + DENSE_TILES  # everything after scale_log2
+DENSE_SPARSITY = _checks.NO_WINDOW + DENSE_TILES  # the fields from window_left to mask_lead_stride
 
 
-def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPARSITY) -> bytes:
-    """struct FwdParams with null pointers (a call writes them); sparsity: the fields after
-    scale_log2 (sparsity_fields)."""
+def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPARSITY, num_seqs=0) -> bytes:
+    """struct FwdParams with null pointers (a call writes them); sparsity: the fields from
+    window_left on (sparsity_fields). num_seqs > 0: a varlen launch of that many sequences,
+    nq and nk the packed totals; its slices are (sequence, head), and its cu_seqlens pointers
+    are written per call (CU_SEQLENS_WORD)."""
+    num_batch = math.prod(layout.lead_shape) * (num_seqs or 1)
     values = (
         0, 0, 0, 0, 0, 0,
-        nq, nk, d, dv, math.prod(layout.lead_shape),
+        nq, nk, d, dv, num_batch,
         *layout.lead_shape, *layout.q_strides, *layout.k_strides, *layout.v_strides,
-        *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity,
+        *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity, 0, 0, num_seqs,
     )
     return struct.pack(FWD_PARAM_FORMAT, *values)
 
@@ -299,6 +306,7 @@ class ForwardPlan:
         # (dO strides, dO dtype, deterministic) -> BackwardPlan, for the torch adapter's eager
         # backward of a call this plan ran: the rest of the backward's signature follows from it.
         self.backward_plans: dict = {}
+        self.varlen = False  # the launch reads cu_seqlens_q / cu_seqlens_k (run's last arguments)
 
     @property
     def variant(self):
@@ -310,7 +318,7 @@ class ForwardPlan:
                 if ptr & 15:
                     raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
 
-    def run(self, q, k, v, o, l, m, stream):
+    def run(self, q, k, v, o, l, m, stream, cu_seqlens_q=0, cu_seqlens_k=0):
         self.check(q, k, v)
         kernel = self.kernel
         if kernel is None:
@@ -318,8 +326,10 @@ class ForwardPlan:
         with self.lock:
             if self.maps is not None and not self.maps.bind((q, k, v)):
                 plan = self.fallback()
-                return plan.run(q, k, v, o, l, m, stream)
+                return plan.run(q, k, v, o, l, m, stream, cu_seqlens_q, cu_seqlens_k)
             kernel.params[0][0:6] = (q, k, v, o, l, m)
+            if self.varlen:
+                kernel.params[0][CU_SEQLENS_WORD:CU_SEQLENS_WORD + 2] = (cu_seqlens_q, cu_seqlens_k)
             with Context(self.ctx) as drv:
                 kernel.launch(drv, stream)
 
@@ -415,6 +425,7 @@ class BackwardPlan:
         self.fwd_blocks, self.bwd_block = fwd_blocks, bwd_block
         self.reduces = reduces  # (Kernel, gradient index)
         self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
+        self.varlen = False  # the launches read cu_seqlens_q / cu_seqlens_k (run's last arguments)
         self.ctx = device_context(device_id)
         self.lock = threading.Lock()
 
@@ -424,7 +435,7 @@ class BackwardPlan:
                 if ptr & 15:
                     raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
 
-    def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream):
+    def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q=0, cu_seqlens_k=0):
         self.check((do, q, k, v, o))
         outs = (dq, dk, dv)
         with self.lock, Context(self.ctx) as drv:
@@ -438,6 +449,8 @@ class BackwardPlan:
             lse2, delta = workspace, workspace + self.delta_offset
             for block in self.fwd_blocks:
                 block[0:6] = (q, k, v, o, l, m)
+                if self.varlen:
+                    block[CU_SEQLENS_WORD:CU_SEQLENS_WORD + 2] = (cu_seqlens_q, cu_seqlens_k)
             self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
             if self.zero is not None:
                 _check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")
@@ -589,6 +602,160 @@ def _is_c_contiguous(shape, strides) -> bool:
     return True
 
 
+# ---- packed variable-length batches (varlen) ----------------------------------------------
+#
+# q (Hq, total_q, d), k (Hk, total_k, d), v (Hk, total_k, dv): one leading dim, the heads, and
+# num_seqs sequences whose rows cu_seqlens_q / cu_seqlens_k (device arrays, never read here)
+# delimit. A launch's slices are (sequence, head): num_seqs * Hq of them, each owning one
+# sequence of one head (kernels/slice.cuh). max_seqlen only sizes the grid's x axis; a longer
+# sequence's CTAs walk its further tiles, so it is never a bound on correctness.
+
+
+def varlen_grid_x(max_seqlen: int, total: int, tile: int) -> int:
+    """Tiles a slice's CTAs start on: those of the longest sequence the caller announces, no
+    more than the packed total holds, at least one (a CTA of an empty sequence just exits)."""
+    return max(1, -(-min(max_seqlen, total) // tile))
+
+
+def varlen_stats_rows(total_q: int, num_seqs: int) -> int:
+    """Rows of the backward's statistics per head: each sequence's padded to a multiple of
+    STATS_ROW_MULTIPLE, at the offsets slice_geometry gives (which end by this)."""
+    r = _config.STATS_ROW_MULTIPLE
+    return (-(-total_q // r) + num_seqs) * r
+
+
+def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id,
+                                   causal, scale, window, num_seqs, max_seqlen_q, ptrs, tma=True):
+    _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
+    total_q, total_k, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
+    for name, shape, strides in (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides)):
+        _checks.check_last_dim_contiguous(name, shape, strides)
+    qkv = (q_shape, q_strides, k_shape, k_strides, v_shape, v_strides)
+    layout = broadcast_layout(*qkv)
+    scale = _checks.resolve_scale(scale, d)
+    window = _checks.check_sparsity(None, None, window, total_q, total_k, layout.out_lead_shape)[1]
+    o_shape = layout.out_lead_shape + (total_q, dv)
+    stats_shape = layout.out_lead_shape + (total_q,)
+    operands = (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides))
+    heads = math.prod(layout.lead_shape)
+    if heads == 0 or total_q == 0 or num_seqs == 0:
+        plan = ForwardPlan(device_id, dtype, o_shape, stats_shape, operands)
+        plan.varlen = True
+        return plan
+    if dtype != "float32":
+        for (name, shape, strides), ptr in zip(operands, ptrs):
+            if ptr & 15 or not _checks.vector_stride_ok(shape, strides, _checks.itemsize(dtype)):
+                raise _checks.vector_alignment_error(name, shape, strides, ptr, dtype)
+    cc = compute_capability(device_id)
+    variant = _config.forward_config(dtype, d, dv, causal, wgmma=_config.has_wgmma(cc), nq=max_seqlen_q, tma=tma,
+                                     varlen=True)
+    row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
+    maps = None
+    if isinstance(variant, _config.HopperForward) and variant.tma:
+        # The maps span every packed row of a head; a sequence's tiles start at its first row.
+        maps = _Maps(_tma.geometries(total_q, total_k, d, layout, row_strides, variant.block_rows,
+                                     variant.block_cols), ptrs)
+        if not maps.ok:
+            maps = None
+            variant = dataclasses.replace(variant, tma=False)
+    sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
+    params = [_words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))]
+    if isinstance(variant, _config.HopperForward):
+        params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
+    grid = slice_grid(varlen_grid_x(max_seqlen_q, total_q, variant.block_rows), heads * num_seqs)
+    kernel = Kernel(variant, device_id, grid, params, d, dv)
+
+    def fallback():
+        return _varlen_forward_signature_plan(*qkv, dtype, device_id, causal, scale, window, num_seqs, max_seqlen_q,
+                                              ptrs, tma=False)
+
+    plan = ForwardPlan(device_id, dtype, o_shape, stats_shape, operands, kernel, maps,
+                       functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
+    plan.varlen = True
+    return plan
+
+
+def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window, deterministic,
+                                    num_seqs, max_seqlen_q, max_seqlen_k, ptrs):
+    """As _backward_signature_plan, for a varlen call (shapes: do, q, k, v, o)."""
+    do_shape, q_shape, k_shape, v_shape, o_shape = shapes
+    names = ("do", "q", "k", "v", "o")
+    operands = tuple(zip(names, shapes, strides))
+    _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
+    total_q, total_k, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
+    for name, shape, st in operands:
+        _checks.check_last_dim_contiguous(name, shape, st)
+    qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
+    out_lead = broadcast_layout(*qkv).out_lead_shape
+    out_shape = out_lead + (total_q, dv)
+    for name, shape in (("do", do_shape), ("o", o_shape)):
+        if tuple(shape) != out_shape:
+            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(shape)}")
+    window = _checks.check_sparsity(None, None, window, total_q, total_k, out_lead)[1]
+    layout = broadcast_layout(*qkv, extras=((do_shape, strides[0]), (o_shape, strides[4])))
+    for name, (shape, st, stat_dtype) in zip(("l", "m"), stats):
+        contiguous = _is_c_contiguous(shape, st)
+        if tuple(shape) != out_shape[:-1] or stat_dtype != "float32" or not contiguous:
+            raise ValueError(
+                f"{name} must be the forward's C-contiguous float32 array of shape {out_shape[:-1]}, "
+                f"got shape {tuple(shape)}, dtype {stat_dtype}, contiguous {contiguous}"
+            )
+    scale = _checks.resolve_scale(scale, d)
+    heads = math.prod(layout.lead_shape)
+    grad_shapes = (q_shape, k_shape, v_shape)
+    if heads == 0 or total_q == 0 or total_k == 0 or num_seqs == 0:  # no query sees a key
+        grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
+        plan = BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
+        plan.varlen = True
+        return plan
+    if dtype != "float32":
+        for (name, shape, st), ptr in zip(operands, ptrs):
+            if ptr & 15 or not _checks.vector_stride_ok(shape, st, _checks.itemsize(dtype)):
+                raise _checks.vector_alignment_error(name, shape, st, ptr, dtype)
+    cc = compute_capability(device_id)
+    kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=_config.is_hopper(cc),
+                                  wgmma=_config.has_wgmma(cc), varlen=True)
+    nq_pad = varlen_stats_rows(total_q, num_seqs)  # per head
+    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad)
+    kv_direct = grads[1].kind == "direct"
+    zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+    do_lead, o_lead = layout.extra_strides[:2]
+    bwd_block = _words(struct.pack(
+        BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2], strides[4][-2],
+        int(kv_direct and dtype != "float32"),
+    ))
+    sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
+    fwd_blocks, kernels = [], []
+
+    def add(variant, grid_x):
+        block = _words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))
+        fwd_blocks.append(block)
+        kernels.append(Kernel(variant, device_id, slice_grid(grid_x, heads * num_seqs), [block, bwd_block], d, dv))
+
+    stats_rows = -(-min(max_seqlen_q, total_q) // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
+    add(kplan.preprocess, max(1, stats_rows // kplan.preprocess.warps))
+    for variant in kplan.key_passes:
+        add(variant, varlen_grid_x(max_seqlen_k, total_k, variant.block_cols))
+    if kplan.dq is not None:
+        add(kplan.dq, varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
+    reduces = []
+    for index, grad in enumerate(grads):
+        if grad.kind != "reduce":
+            continue
+        variant = _config.GradientReduce(dtype)
+        inner = math.prod(grad.acc_shape[len(out_lead):])
+        outer = math.prod(grad.shape[:-2])
+        per_cta = variant.threads * variant.elements_per_thread
+        grid = (max(1, min(-(-outer * inner // per_cta), 16 * sm_count(device_id))), 1, 1)
+        block = _words(struct.pack(REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
+        reduces.append((Kernel(variant, device_id, grid, [block]), index))
+    plan = BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
+                        tuple(fwd_blocks), bwd_block, tuple(reduces))
+    plan.varlen = True
+    return plan
+
+
 # ---- the caches ------------------------------------------------------------------------------
 
 _MAX_PLANS = 1024  # bounded: a plan may hold a block mask's device lists alive
@@ -633,6 +800,26 @@ def backward_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask,
            _config.GENERATION[0])
     return _cached(_backward_plans, key, lambda: _backward_signature_plan(
         shapes, strides, dtype, stats, device_id, bool(causal), scale, mask, window, bool(deterministic), ptrs))
+
+
+def varlen_forward_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, causal,
+                        scale, window, num_seqs, max_seqlen_q, ptrs) -> ForwardPlan:
+    """The plan of a varlen forward signature: forward_plan's, plus the number of sequences and
+    max_seqlen_q (a host int); the cu_seqlens pointers are run's per-call arguments."""
+    key = ("varlen", q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal),
+           scale, window, num_seqs, max_seqlen_q, _config.GENERATION[0])
+    return _cached(_forward_plans, key, lambda: _varlen_forward_signature_plan(
+        q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal), scale, window,
+        num_seqs, max_seqlen_q, ptrs))
+
+
+def varlen_backward_plan(shapes, strides, dtype, stats, device_id, causal, scale, window, deterministic, num_seqs,
+                         max_seqlen_q, max_seqlen_k, ptrs) -> BackwardPlan:
+    key = ("varlen", shapes, strides, dtype, stats, device_id, bool(causal), scale, window, bool(deterministic),
+           num_seqs, max_seqlen_q, max_seqlen_k, _config.GENERATION[0])
+    return _cached(_backward_plans, key, lambda: _varlen_backward_signature_plan(
+        shapes, strides, dtype, stats, device_id, bool(causal), scale, window, bool(deterministic), num_seqs,
+        max_seqlen_q, max_seqlen_k, ptrs))
 
 
 def plan_counts() -> tuple:

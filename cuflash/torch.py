@@ -82,6 +82,50 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window):
     return o, l, m, plan
 
 
+# ---- packed variable-length batches ------------------------------------------------------
+
+
+def _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k):
+    """The number of sequences, after the checks of cu_seqlens_q / _k (dtype, rank, length,
+    q's device); their values are not read."""
+    meta = [None if c is None else (tuple(c.shape), _checks.dtype_name(c.dtype), c.device)
+            for c in (cu_seqlens_q, cu_seqlens_k)]
+    return _checks.check_cu_seqlens(*meta, q.device)
+
+
+def _longest_sequence(cu, total: int) -> int:
+    """As cuflash._api.longest_sequence (the kernels' clamping rule), on a torch tensor: one
+    device-to-host copy."""
+    if cu.numel() < 2:
+        return 0
+    bounded = cu.clamp(0, total)
+    return max(0, int((bounded[1:] - bounded[:-1]).max()))
+
+
+def _max_seqlens(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q, k):
+    """The operators' max_seqlen arguments (-1: compute from the boundaries) as host ints."""
+    max_q = _longest_sequence(cu_q, q.shape[-2]) if max_seqlen_q < 0 else max_seqlen_q
+    max_k = _longest_sequence(cu_k, k.shape[-2]) if max_seqlen_k < 0 else max_seqlen_k
+    return max_q, max_k
+
+
+def _varlen_forward_impl(q, k, v, causal, scale, window, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
+    """o, l, m of a packed variable-length batch on torch's current stream."""
+    max_q, _ = _max_seqlens(cu_q, cu_k, max_seqlen_q, 0, q, k)
+    num_seqs = _varlen_boundaries(q, cu_q, cu_k)
+    device = _check_cuda(q, k, v)
+    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+    plan = _plan.varlen_forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape),
+                                     v.stride(), dtype, device.index, causal, scale, window, num_seqs, max_q,
+                                     (q.data_ptr(), k.data_ptr(), v.data_ptr()))
+    o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
+    l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
+    m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
+    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+             _raw_stream(device.index), cu_q.data_ptr(), cu_k.data_ptr())
+    return o, l, m
+
+
 _decode_plans: dict = {}
 
 
@@ -122,32 +166,52 @@ def _sum_keeping(x, axes):
     return x.sum(dim=axes, keepdim=True)
 
 
-def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, forward_plan=None):
-    """dq, dk, dv on torch's current stream. With ``forward_plan`` (the eager path: q, k, v, o,
-    l, m are what that plan ran on, and autograd gives dO o's shape and device) the backward's
-    plan is looked up by dO's strides and dtype alone, in ``forward_plan.backward_plans``."""
+def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, varlen=None,
+                   forward_plan=None):
+    """dq, dk, dv on torch's current stream. varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) of a packed batch. With ``forward_plan`` (the eager dense path: q, k, v, o, l,
+    m are what that plan ran on, and autograd gives dO o's shape and device) the backward's plan
+    is looked up by dO's strides and dtype alone, in ``forward_plan.backward_plans``."""
     short = None
-    plan = None
-    if forward_plan is not None and not do.data_ptr() & 15:  # a misaligned dO is copied (full path)
+    if varlen is None and forward_plan is not None and not do.data_ptr() & 15:  # a misaligned dO is copied
         short = (do.stride(), do.dtype, deterministic)
         plan = forward_plan.backward_plans.get(short)
-    if plan is None:
-        plan, do = _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic,
-                                       forward_plan, short)
-    return _backward_run(plan, do, q, k, v, o, l, m)
+        if plan is not None:
+            return _backward_run(plan, do, q, k, v, o, l, m, ())
+    plan, do, cu_seqlens = _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic,
+                                               varlen, forward_plan, short)
+    return _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens)
 
 
-def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, forward_plan, short):
-    """The backward plan of a full signature, and dO as the kernels will read it."""
+def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, varlen, forward_plan,
+                        short):
+    """The backward plan of a full signature, dO as the kernels will read it, and the packed
+    batch's boundary pointers (none when dense)."""
     # The incoming gradient's layout is autograd's choice, not the user's: e.g. the gradient
     # of o.sum() is an expanded (stride-0) tensor, which cuflash cannot read. Copy then.
     copied = not _kernel_readable(do)
     if copied:
         do = do.contiguous()
     tensors = (do, q, k, v, o, l, m)
-    key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
-        causal, scale, mask, window, deterministic, _config.GENERATION[0])
-    plan = _backward_calls.get(key)
+    cu_seqlens = ()
+    if varlen is not None:
+        cu_q, cu_k, max_q, max_k = varlen
+        max_q, max_k = _max_seqlens(cu_q, cu_k, max_q, max_k, q, k)
+        num_seqs = _varlen_boundaries(q, cu_q, cu_k)
+        device = _check_cuda(*tensors)
+        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+        _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
+        main = (do, q, k, v, o)
+        stats = tuple((tuple(t.shape), t.stride(), _checks.dtype_name(t.dtype)) for t in (l, m))
+        plan = _plan.varlen_backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main),
+                                          dtype, stats, device.index, causal, scale, window, deterministic, num_seqs,
+                                          max_q, max_k, tuple(t.data_ptr() for t in main))
+        cu_seqlens = (cu_q.data_ptr(), cu_k.data_ptr())
+        key = None
+    else:
+        key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
+            causal, scale, mask, window, deterministic, _config.GENERATION[0])
+        plan = _backward_calls.get(key)
     if plan is None:
         device = _check_cuda(*tensors)
         dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
@@ -160,17 +224,17 @@ def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deter
         _plan.remember(_backward_calls, key, plan)
     if short is not None and not copied:  # a dO laid out like this one needs no copy either
         _plan.remember(forward_plan.backward_plans, short, plan)
-    return plan, do
+    return plan, do, cu_seqlens
 
 
-def _backward_run(plan, do, q, k, v, o, l, m):
+def _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens):
     device = q.device
     grads = [None if g.kind == "generic" else torch.empty(g.shape, dtype=q.dtype, device=device)
              for g in plan.grads]
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device) if plan.workspace_bytes else None
     base = 0 if workspace is None else workspace.data_ptr()
     plan.run(do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
-             *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index))
+             *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index), *cu_seqlens)
     for index, g in enumerate(plan.grads):
         if g.kind == "generic":  # broadcast inputs: summed back by torch
             acc = workspace[g.offset:g.offset + 4 * math.prod(g.acc_shape)].view(torch.float32).view(g.acc_shape)
@@ -223,13 +287,25 @@ def _attention_fwd(
     block_mask: Optional[int] = None,
     window_left: int = -1,
     window_right: int = -1,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = -1,
+    max_seqlen_k: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # cu_seqlens given: a packed variable-length batch; max_seqlen -1 = computed here (a host
+    # sync inside the operator, which a compiled graph does not see).
     mask, window = _sparsity(block_mask, window_left, window_right)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _varlen_forward_impl(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k)
     return _forward_impl(q, k, v, causal, scale, mask, window)
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, block_mask=None, window_left=-1, window_right=-1):
+def _attention_fwd_fake(q, k, v, causal, scale, block_mask=None, window_left=-1, window_right=-1,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+    # A varlen call's q (Hq, total_q, d) follows the dense rule with its heads as the one
+    # leading dim: o (Hq, total_q, dv), l and m (Hq, total_q).
     lead = _out_lead_shape(q.shape, k.shape, v.shape)
     o = q.new_empty(lead + (q.shape[-2], v.shape[-1]))
     l = q.new_empty(lead + (q.shape[-2],), dtype=torch.float32)
@@ -264,24 +340,36 @@ def _attention_bwd(
     block_mask: Optional[int] = None,
     window_left: int = -1,
     window_right: int = -1,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = -1,
+    max_seqlen_k: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask, window = _sparsity(block_mask, window_left, window_right)
+    varlen = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # torch.use_deterministic_algorithms(True) selects the bit-reproducible backward.
     return _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window,
-                          torch.are_deterministic_algorithms_enabled())
+                          torch.are_deterministic_algorithms_enabled(), varlen)
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, l, m, causal, scale, block_mask=None, window_left=-1, window_right=-1):
+def _attention_bwd_fake(do, q, k, v, o, l, m, causal, scale, block_mask=None, window_left=-1, window_right=-1,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
     # Contiguous like the real outputs (empty_like would copy a permuted input's strides).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs  # causal, scale, block_mask, window_left, window_right
+    # causal, scale, block_mask, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+    # max_seqlen_q, max_seqlen_k (what the call left out takes the operator's defaults)
+    q, k, v, *options = inputs
+    options += [None, None, -1, -1][len(options) - 5:]
     o, l, m = output
-    ctx.save_for_backward(q, k, v, o, l, m)
-    ctx.options = options
+    ctx.save_for_backward(q, k, v, o, l, m, options[5], options[6])
+    ctx.options = options[:5] + [None, None] + options[7:]
+    ctx.n_inputs = len(inputs) - 3
     # l and m are softmax statistics, returned for inspection; no gradient flows through them.
     ctx.mark_non_differentiable(l, m)
     ctx.set_materialize_grads(False)  # no zero-filled dl, dm (or dO) made for the backward
@@ -289,10 +377,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dl, _dm):
     if do is None:  # o took no part in the loss
-        return (None,) * (3 + len(ctx.options))
-    q, k, v, o, l, m = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(do, q, k, v, o, l, m, *ctx.options)
-    return (dq, dk, dv) + (None,) * len(ctx.options)
+        return (None,) * (3 + ctx.n_inputs)
+    q, k, v, o, l, m, cu_q, cu_k = ctx.saved_tensors
+    options = list(ctx.options)
+    options[5:7] = cu_q, cu_k
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, l, m, *options)
+    return (dq, dk, dv) + (None,) * ctx.n_inputs
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -312,6 +402,10 @@ def attention(
     page_table=None,
     seqlens_k=None,
     num_splits=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
 ):
     """Exact scaled dot-product attention (FlashAttention) on CUDA tensors, differentiable.
 
@@ -335,6 +429,11 @@ def attention(
         page_table, seqlens_k, num_splits: decoding against a KV cache (paged, or dense with
             per-sequence lengths) on the split-KV kernels, forward only, as in
             :func:`cuflash.attention`; capturable in a CUDA graph with fixed buffers.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch,
+            as in :func:`cuflash.attention` (and flash_attn_varlen_func): q (Hq, total_q, d),
+            k / v (Hk, total_k, d / dv), e.g. ``x.transpose(0, 1)`` of a (total, H, d) tensor;
+            int32 CUDA tensors of length batch + 1 on q's device; host ints or None (None: one
+            host sync computes them). Differentiable, under torch.compile too.
 
     Returns:
         o (..., Nq, dv) in q's dtype; with ``return_stats=True`` an
@@ -348,6 +447,21 @@ def attention(
     mask = as_block_mask(block_mask, block_size)
     window = window_option(window)
     causal, scale = bool(causal), None if scale is None else float(scale)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
+        if not torch.compiler.is_compiling():  # traced, the operator checks them when it runs
+            _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k)
+        max_q, max_k = (-1 if x is None else _checks.check_max_seqlen(name, x)
+                        for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
+        left, right = window or NO_WINDOW
+        args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+        if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+            o, l, m = _attention_fwd(q, k, v, causal, scale, None, left, right, *args)
+        elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            o, l, m = _EagerAttention.apply(q, k, v, causal, scale, None, window, args)
+        else:
+            o, l, m = _varlen_forward_impl(q, k, v, causal, scale, window, *args)
+        return AttentionOutput(o, l, m) if return_stats else o
     if page_table is not None or seqlens_k is not None or num_splits is not None:
         if mask is not None or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise ValueError("page_table, seqlens_k and num_splits select the split-KV decoding path, which "
@@ -370,11 +484,18 @@ class _EagerAttention(torch.autograd.Function):
     operator (tens of microseconds); torch.compile traces the operators above instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, mask, window):
-        o, l, m, plan = _forward_with_plan(q, k, v, causal, scale, mask, window)
-        ctx.save_for_backward(q, k, v, o, l, m)
+    def forward(ctx, q, k, v, causal, scale, mask, window, varlen=None):
+        # varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch
+        ctx.plan = None
+        if varlen is None:
+            o, l, m, ctx.plan = _forward_with_plan(q, k, v, causal, scale, mask, window)
+            ctx.save_for_backward(q, k, v, o, l, m)
+        else:
+            o, l, m = _varlen_forward_impl(q, k, v, causal, scale, window, *varlen)
+            ctx.save_for_backward(q, k, v, o, l, m, *varlen[:2])
+            ctx.max_seqlens = varlen[2:]
         ctx.options = (causal, scale, mask, window)
-        ctx.plan = plan
+        ctx.varlen = varlen is not None
         # l and m are softmax statistics, returned for inspection; no gradient flows through them.
         ctx.mark_non_differentiable(l, m)
         # Without this autograd fills zero tensors for dl and dm on every backward: two
@@ -385,8 +506,9 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dl, _dm):
         if do is None:  # o took no part in the loss
-            return (None,) * 7
-        q, k, v, o, l, m = ctx.saved_tensors
+            return (None,) * 8
+        q, k, v, o, l, m, *cu_seqlens = ctx.saved_tensors
+        varlen = (*cu_seqlens, *ctx.max_seqlens) if ctx.varlen else None
         dq, dk, dv = _backward_impl(do, q, k, v, o, l, m, *ctx.options,
-                                    torch.are_deterministic_algorithms_enabled(), ctx.plan)
-        return dq, dk, dv, None, None, None, None
+                                    torch.are_deterministic_algorithms_enabled(), varlen, ctx.plan)
+        return dq, dk, dv, None, None, None, None, None

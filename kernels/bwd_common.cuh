@@ -2,24 +2,34 @@
 // gradients (flash_bwd.cu, flash_bwd_sm90.cu, flash_bwd_f32.cu).
 #pragma once
 #include "common.cuh"
+#include "slice.cuh"
 
 namespace cuflash {
 
-// One slice's backward inputs: where its q, k, v and dO rows start, and its row statistics
-// ((m, log2 l) pairs and D, rows padded to nq_pad) as the preprocess wrote them.
+// One slice's backward inputs: where its q, k, v, dO and O rows start, and its row statistics
+// ((m, log2 l) pairs and D, rows padded as slice_geometry says) as the preprocess wrote them.
 template <typename T>
 struct BwdSlice {
-    const T *q, *k, *v, *dout;
+    const T *q, *k, *v, *dout, *out;
     const float *lse2, *delta;
 };
 
-template <typename T>
-__device__ __forceinline__ BwdSlice<T> bwd_slice(const FwdParams& p, const BwdParams& b, i64 bidx) {
-    const BatchOffsets off = batch_offsets(p, bidx);
-    return {static_cast<const T*>(p.q) + off.q, static_cast<const T*>(p.k) + off.k,
-            static_cast<const T*>(p.v) + off.v,
-            static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride),
-            b.lse2 + 2 * bidx * b.nq_pad, b.delta + bidx * b.nq_pad};
+// g: slice_geometry<VARLEN>(p, bidx, b.nq_pad). A varlen dO and O are (heads, total_q, dv),
+// strided like q.
+template <typename T, bool VARLEN>
+__device__ __forceinline__ BwdSlice<T> bwd_slice(const FwdParams& p, const BwdParams& b, const SliceGeometry& g,
+                                                 i64 bidx) {
+    i64 dout, out;
+    if constexpr (VARLEN) {
+        dout = g.head * b.do_lead_stride[kMaxLead - 1] + g.q_start * b.do_row_stride;
+        out = g.head * b.o_lead_stride[kMaxLead - 1] + g.q_start * b.o_row_stride;
+    } else {
+        dout = lead_offset(p, bidx, b.do_lead_stride);
+        out = lead_offset(p, bidx, b.o_lead_stride);
+    }
+    return {static_cast<const T*>(p.q) + g.q, static_cast<const T*>(p.k) + g.k, static_cast<const T*>(p.v) + g.v,
+            static_cast<const T*>(b.dout) + dout, static_cast<const T*>(b.out) + out,
+            b.lse2 + 2 * g.stats, b.delta + g.stats};
 }
 
 // Stores two adjacent gradient values at row_offset + col (col < ncols, even), as fp32 or,

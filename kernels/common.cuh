@@ -52,6 +52,15 @@ struct FwdParams {
     i64 n_outer, list_stride;
     i64 block_q, block_k, mask_tq, mask_tk;
     i64 mask_lead_stride[kMaxLead];  // mask-batch strides over the output's leading dims, 0 = broadcast
+    // Packed variable-length batches (varlen; null cu_seqlens_q = dense). Sequence s owns the
+    // packed rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q, o, l, m and [cu_seqlens_k[s],
+    // cu_seqlens_k[s + 1]) of k and v; nq and nk are then the packed totals, into which every
+    // boundary is clamped (slice.cuh). The leading dim is the heads alone, and the flat index
+    // is sequence-major: num_batch = num_seqs * heads. Appended last, so that no dense field
+    // moves.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    i64 num_seqs;
 };
 
 constexpr int kPartialTile = CUFLASH_PARTIAL_TILE;  // flag bit of a tile_lists entry

@@ -27,32 +27,43 @@ namespace cuflash {
 
 // ---- preprocess: D = rowsum(dO o O), (m, log2 l) ---------------------------------------------
 // One warp per row; rows in [nq, nq_pad) get D = 0 and (m, log2 l) = (+inf, 0), so that padded
-// rows of a statistics tile contribute P = 0.
-template <typename T, int NWARPS>
+// rows of a statistics tile contribute P = 0. VARLEN: the rows of one sequence, padded to a
+// multiple of kStatsRowMultiple, walked in steps of the grid (which max_seqlen_q sized).
+template <typename T, int NWARPS, bool VARLEN>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const i64 row = (i64)blockIdx.x * NWARPS + warp;
-    if (row >= b.nq_pad) return;
-    const i64 stat = bidx * b.nq_pad + row;
-    if (row >= p.nq) {
-        if (lane == 0) { b.delta[stat] = 0.f; b.lse2[2 * stat] = pos_inf(); b.lse2[2 * stat + 1] = 0.f; }
-        return;
-    }
-    const T* dout = static_cast<const T*>(b.dout) + lead_offset(p, bidx, b.do_lead_stride) + row * b.do_row_stride;
-    const T* out = static_cast<const T*>(b.out) + lead_offset(p, bidx, b.o_lead_stride) + row * b.o_row_stride;
-    float acc = 0.f;
-    for (int c = lane; c < p.dv; c += 32) acc = fmaf(to_float(dout[c]), to_float(out[c]), acc);
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
+    const i64 nq = g.nq, n_rows = VARLEN ? (i64)tiles_of(nq, kStatsRowMultiple) * kStatsRowMultiple : b.nq_pad;
+    auto preprocess_row = [&](const i64 row) {
+        const i64 stat = g.stats + row;
+        if (row >= nq) {
+            if (lane == 0) { b.delta[stat] = 0.f; b.lse2[2 * stat] = pos_inf(); b.lse2[2 * stat + 1] = 0.f; }
+            return;
+        }
+        const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
+        const T* dout = in.dout + row * b.do_row_stride;
+        const T* out = in.out + row * b.o_row_stride;
+        float acc = 0.f;
+        for (int c = lane; c < p.dv; c += 32) acc = fmaf(to_float(dout[c]), to_float(out[c]), acc);
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) {
-        const float l = b.l[bidx * p.nq + row], m = b.m[bidx * p.nq + row];
-        b.delta[stat] = acc;
-        // A row that saw no key (l = 0) must give P = 0 everywhere: m = +inf, not -inf.
-        b.lse2[2 * stat] = l > 0.f ? m : pos_inf();
-        b.lse2[2 * stat + 1] = l > 0.f ? log2f(l) : 0.f;
+        for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) {
+            const float l = b.l[g.rows + row], m = b.m[g.rows + row];
+            b.delta[stat] = acc;
+            // A row that saw no key (l = 0) must give P = 0 everywhere: m = +inf, not -inf.
+            b.lse2[2 * stat] = l > 0.f ? m : pos_inf();
+            b.lse2[2 * stat + 1] = l > 0.f ? log2f(l) : 0.f;
+        }
+    };
+    const i64 first = (i64)blockIdx.x * NWARPS + warp;
+    if constexpr (!VARLEN) {
+        if (first < n_rows) preprocess_row(first);
+    } else {
+#pragma unroll 1
+        for (i64 row = first; row < n_rows; row += (i64)gridDim.x * NWARPS) preprocess_row(row);
     }
 }
 
@@ -123,10 +134,11 @@ struct BwdSmemLayout {
 //   dK, dV (BC x HD / HDV): WK_KV warps along keys x NWARPS / WK_KV along the head dim
 //   dQ (BR x HD):           WM_Q warps along queries x NWARPS / WM_Q along the head dim
 // P and dS go through shared memory ([query][key], 16-bit) between the first matmuls and
-// the rest; dK and dV stay in registers for the whole walk.
+// the rest; dK and dV stay in registers for the whole walk. VARLEN: the CTA walks the key
+// tiles of its sequence that its grid position names (slice.cuh's work items).
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
           bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, int KU_S, int KU_O,
-          bool SPARSE, int SMEM_BYTES>
+          bool SPARSE, bool VARLEN, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
@@ -154,194 +166,201 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const i64 nq = p.nq, nk = p.nk;
-    const i64 j0 = (i64)blockIdx.x * BC;
-
-    const BwdSlice<T> in = bwd_slice<T>(p, b, bidx);
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
+    const i64 nq = g.nq, nk = g.nk;
+    const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
     const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
     const float *gLse = in.lse2, *gD = in.delta;
+    const int n_k_tiles = tiles_of(nk, BC);
 
-    // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = query_tiles<SPARSE>(p, band, bidx, (int)blockIdx.x, j0, BC, BR);
-    int clean_first, clean_last;  // query tiles that need no element mask
-    band.clean_query_tiles(j0, BC, BR, nk, clean_first, clean_last);
+#pragma unroll 1
+    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
+        const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+        const i64 j0 = (i64)key_tile * BC;
 
-    const float scale = (float)p.scale;
-    const int my_row = lane / 4, my_col = 2 * (lane % 4);  // in every m16n8 accumulator
-    // This warp's place in each of the three layouts.
-    const int s_row0 = (warp % WM_S) * S_ROWS, s_col0 = (warp / WM_S) * S_COLS;
-    const int kv_row0 = (warp % WK_KV) * KV_ROWS;
-    const int dk_col0 = (warp / WK_KV) * DK_COLS, dv_col0 = (warp / WK_KV) * DV_COLS;
-    const int q_row0 = (warp % WM_Q) * Q_ROWS, dq_col0 = (warp / WM_Q) * DQ_COLS;
+        // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
+        const Band band = g.band<CAUSAL>(p);
+        const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, j0, BC, BR, nq, nk);
+        int clean_first, clean_last;  // query tiles that need no element mask
+        band.clean_query_tiles(j0, BC, BR, nk, clean_first, clean_last);
 
-    float acc_dk[DO_DK ? KV_ROWS / 16 : 1][DO_DK ? DK_COLS / 8 : 2][4];
-    float acc_dv[DO_DV ? KV_ROWS / 16 : 1][DO_DV ? DV_COLS / 8 : 2][4];
-    zero(acc_dk);
-    zero(acc_dv);
+        const float scale = (float)p.scale;
+        const int my_row = lane / 4, my_col = 2 * (lane % 4);  // in every m16n8 accumulator
+        // This warp's place in each of the three layouts.
+        const int s_row0 = (warp % WM_S) * S_ROWS, s_col0 = (warp / WM_S) * S_COLS;
+        const int kv_row0 = (warp % WK_KV) * KV_ROWS;
+        const int dk_col0 = (warp / WK_KV) * DK_COLS, dv_col0 = (warp / WK_KV) * DV_COLS;
+        const int q_row0 = (warp % WM_Q) * Q_ROWS, dq_col0 = (warp / WM_Q) * DQ_COLS;
 
-    auto load_query_tile = [&](int i, int stage) {
-        const i64 i0 = (i64)i * BR;
-        load_tile_async<BR, HD, L::q_pitch, NT>(sQ + stage * L::q_elems, gQ, p.q_row_stride, i0, nq, p.d, tid);
-        load_tile_async<BR, HDV, L::do_pitch, NT>(sdO + stage * L::do_elems, gdO, b.do_row_stride, i0, nq, p.dv, tid);
-        load_floats_async<2 * BR, NT>(sLse + stage * 2 * BR, gLse + 2 * i0, tid);
-        load_floats_async<BR, NT>(sD + stage * BR, gD + i0, tid);
-    };
+        float acc_dk[DO_DK ? KV_ROWS / 16 : 1][DO_DK ? DK_COLS / 8 : 2][4];
+        float acc_dv[DO_DV ? KV_ROWS / 16 : 1][DO_DV ? DV_COLS / 8 : 2][4];
+        zero(acc_dk);
+        zero(acc_dv);
 
-    if (tiles.count > 0) {
-        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, j0, nk, p.d, tid);
-        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, j0, nk, p.dv, tid);
-        load_query_tile(tiles.tile(0), 0);
-        cp_async_commit();
-    }
+        auto load_query_tile = [&](int i, int stage) {
+            const i64 i0 = (i64)i * BR;
+            load_tile_async<BR, HD, L::q_pitch, NT>(sQ + stage * L::q_elems, gQ, p.q_row_stride, i0, nq, p.d, tid);
+            load_tile_async<BR, HDV, L::do_pitch, NT>(sdO + stage * L::do_elems, gdO, b.do_row_stride, i0, nq, p.dv, tid);
+            load_floats_async<2 * BR, NT>(sLse + stage * 2 * BR, gLse + 2 * i0, tid);
+            load_floats_async<BR, NT>(sD + stage * BR, gD + i0, tid);
+        };
 
-    for (int it = 0; it < tiles.count; ++it) {
-        const int stage = it & 1, i = tiles.tile(it);
-        cp_async_wait<0>();
-        __syncthreads();  // tile i landed; every warp is done with the previous one, sP and sdS
-        if (it + 1 < tiles.count) load_query_tile(tiles.tile(it + 1), stage ^ 1);
-        cp_async_commit();
-        const T* cQ = sQ + stage * L::q_elems;
-        const T* cdO = sdO + stage * L::do_elems;
-        const float* cLse = sLse + stage * 2 * BR;
-        const float* cD = sD + stage * BR;
-        const i64 i0 = (i64)i * BR;
-
-        // -- S = Q K^T and dP = dO V^T on this warp's (queries x keys) tile --
-        constexpr int MT_S = S_ROWS / 16, NT_S = S_COLS / 8;
-        float acc_s[MT_S][NT_S][4], acc_dp[MT_S][NT_S][4];
-        zero(acc_s);
-        warp_gemm<T, MT_S, NT_S, HD / 16, false, false, KU_S>(acc_s, cQ + s_row0 * L::q_pitch, L::q_pitch,
-                                                        sK + s_col0 * L::k_pitch, L::k_pitch, lane);
-        // -- mask (keys past nk, the band); queries past nq need none: their m is +inf --
-        if (i < clean_first || i > clean_last) {
-            // Thresholds relative to this thread's first element, so that each test below
-            // compares a register with a compile-time offset (no per-element index registers).
-            const TileMask mask(Band::of<CAUSAL>(p), i0, j0, nk);
-            const int rel = s_row0 + my_row - s_col0 - my_col;
-            const int key_room = mask.key_room - s_col0 - my_col;
-            const int diag_lo = mask.diag_lo + rel, diag_hi = mask.diag_hi + rel;
-#pragma unroll
-            for (int mt = 0; mt < MT_S; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int dk = nt * 8 + (e & 1), dq = mt * 16 + 8 * (e / 2);
-                        if (dk >= key_room || dk - dq < diag_lo || dk - dq > diag_hi) acc_s[mt][nt][e] = neg_inf();
-                    }
+        if (tiles.count > 0) {
+            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, j0, nk, p.d, tid);
+            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, j0, nk, p.dv, tid);
+            load_query_tile(tiles.tile(0), 0);
+            cp_async_commit();
         }
-        if (tiles.partial(it)) {
+
+        for (int it = 0; it < tiles.count; ++it) {
+            const int stage = it & 1, i = tiles.tile(it);
+            cp_async_wait<0>();
+            __syncthreads();  // tile i landed; every warp is done with the previous one, sP and sdS
+            if (it + 1 < tiles.count) load_query_tile(tiles.tile(it + 1), stage ^ 1);
+            cp_async_commit();
+            const T* cQ = sQ + stage * L::q_elems;
+            const T* cdO = sdO + stage * L::do_elems;
+            const float* cLse = sLse + stage * 2 * BR;
+            const float* cD = sD + stage * BR;
+            const i64 i0 = (i64)i * BR;
+
+            // -- S = Q K^T and dP = dO V^T on this warp's (queries x keys) tile --
+            constexpr int MT_S = S_ROWS / 16, NT_S = S_COLS / 8;
+            float acc_s[MT_S][NT_S][4], acc_dp[MT_S][NT_S][4];
+            zero(acc_s);
+            warp_gemm<T, MT_S, NT_S, HD / 16, false, false, KU_S>(acc_s, cQ + s_row0 * L::q_pitch, L::q_pitch,
+                                                            sK + s_col0 * L::k_pitch, L::k_pitch, lane);
+            // -- mask (keys past nk, the band); queries past nq need none: their m is +inf --
+            if (i < clean_first || i > clean_last) {
+                // Thresholds relative to this thread's first element, so that each test below
+                // compares a register with a compile-time offset (no per-element index registers).
+                const TileMask mask(g.band<CAUSAL>(p), i0, j0, nk);
+                const int rel = s_row0 + my_row - s_col0 - my_col;
+                const int key_room = mask.key_room - s_col0 - my_col;
+                const int diag_lo = mask.diag_lo + rel, diag_hi = mask.diag_hi + rel;
 #pragma unroll
-            for (int mt = 0; mt < MT_S; ++mt)
+                for (int mt = 0; mt < MT_S; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < NT_S; ++nt)
+                    for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const i64 q = i0 + s_row0 + mt * 16 + my_row + 8 * (e / 2);
-                        const i64 key = j0 + s_col0 + nt * 8 + my_col + (e & 1);
-                        if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][nt][e] = neg_inf();
-                    }
-        }
-        // -- P = exp(scale * S - m) / l (recompute_p), packed to 16 bits at once: the fp32
-        //    scores die here. When P goes to shared memory for dV, dS reads it back from
-        //    there (each thread its own values) instead of holding it through dP's matmul --
-        constexpr bool P_IN_SMEM = DO_DV;
-        u32 p16[P_IN_SMEM ? 1 : MT_S][P_IN_SMEM ? 1 : NT_S][2];
-#pragma unroll
-        for (int mt = 0; mt < MT_S; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = s_row0 + mt * 16 + my_row + 8 * h;
-                const float m_row = cLse[2 * row], log2l = cLse[2 * row + 1];
-#pragma unroll
-                for (int nt = 0; nt < NT_S; ++nt) {
-                    const u32 packed = pack2<T>(recompute_p(acc_s[mt][nt][2 * h], scale, m_row, log2l),
-                                                recompute_p(acc_s[mt][nt][2 * h + 1], scale, m_row, log2l));
-                    if constexpr (P_IN_SMEM)
-                        *reinterpret_cast<u32*>(sP + row * L::p_pitch + s_col0 + nt * 8 + my_col) = packed;
-                    else
-                        p16[mt][nt][h] = packed;
-                }
+                        for (int e = 0; e < 4; ++e) {
+                            const int dk = nt * 8 + (e & 1), dq = mt * 16 + 8 * (e / 2);
+                            if (dk >= key_room || dk - dq < diag_lo || dk - dq > diag_hi) acc_s[mt][nt][e] = neg_inf();
+                        }
             }
-        if constexpr (DO_DK || ATOMIC_DQ) {
-            zero(acc_dp);
-            warp_gemm<T, MT_S, NT_S, HDV / 16, false, false, KU_S>(acc_dp, cdO + s_row0 * L::do_pitch, L::do_pitch,
-                                                             sV + s_col0 * L::v_pitch, L::v_pitch, lane);
-            // -- dS = P o (dP - D[query]), to shared memory in 16 bits --
+            if (tiles.partial(it)) {
+#pragma unroll
+                for (int mt = 0; mt < MT_S; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const i64 q = i0 + s_row0 + mt * 16 + my_row + 8 * (e / 2);
+                            const i64 key = j0 + s_col0 + nt * 8 + my_col + (e & 1);
+                            if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][nt][e] = neg_inf();
+                        }
+            }
+            // -- P = exp(scale * S - m) / l (recompute_p), packed to 16 bits at once: the fp32
+            //    scores die here. When P goes to shared memory for dV, dS reads it back from
+            //    there (each thread its own values) instead of holding it through dP's matmul --
+            constexpr bool P_IN_SMEM = DO_DV;
+            u32 p16[P_IN_SMEM ? 1 : MT_S][P_IN_SMEM ? 1 : NT_S][2];
 #pragma unroll
             for (int mt = 0; mt < MT_S; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = s_row0 + mt * 16 + my_row + 8 * h;
-                    const float delta = cD[row];
+                    const float m_row = cLse[2 * row], log2l = cLse[2 * row + 1];
 #pragma unroll
                     for (int nt = 0; nt < NT_S; ++nt) {
-                        const int at = row * L::p_pitch + s_col0 + nt * 8 + my_col;
-                        u32 packed;
+                        const u32 packed = pack2<T>(recompute_p(acc_s[mt][nt][2 * h], scale, m_row, log2l),
+                                                    recompute_p(acc_s[mt][nt][2 * h + 1], scale, m_row, log2l));
                         if constexpr (P_IN_SMEM)
-                            packed = *reinterpret_cast<const u32*>(sP + at);
+                            *reinterpret_cast<u32*>(sP + row * L::p_pitch + s_col0 + nt * 8 + my_col) = packed;
                         else
-                            packed = p16[mt][nt][h];
-                        const float2 pv = unpack2<T>(packed);
-                        *reinterpret_cast<u32*>(sdS + at) =
-                            pack2<T>(pv.x * (acc_dp[mt][nt][2 * h] - delta), pv.y * (acc_dp[mt][nt][2 * h + 1] - delta));
+                            p16[mt][nt][h] = packed;
                     }
                 }
-        }
-        __syncthreads();  // P and dS complete
-
-        // -- dV += P^T dO,  dK += dS^T Q (scale applied at the end) --
-        if constexpr (DO_DV)
-            warp_gemm<T, KV_ROWS / 16, DV_COLS / 8, BR / 16, true, true, KU_O>(acc_dv, sP + kv_row0, L::p_pitch,
-                                                                        cdO + dv_col0, L::do_pitch, lane);
-        if constexpr (DO_DK)
-            warp_gemm<T, KV_ROWS / 16, DK_COLS / 8, BR / 16, true, true, KU_O>(acc_dk, sdS + kv_row0, L::p_pitch,
-                                                                        cQ + dk_col0, L::q_pitch, lane);
-        // -- dQ_i += scale * dS K, added to the float32 dQ with atomics --
-        if constexpr (ATOMIC_DQ) {
-            float acc_dq[Q_ROWS / 16][DQ_COLS / 8][4];
-            zero(acc_dq);
-            warp_gemm<T, Q_ROWS / 16, DQ_COLS / 8, BC / 16, false, true, KU_O>(acc_dq, sdS + q_row0 * L::p_pitch, L::p_pitch,
-                                                                        sK + dq_col0, L::k_pitch, lane);
+            if constexpr (DO_DK || ATOMIC_DQ) {
+                zero(acc_dp);
+                warp_gemm<T, MT_S, NT_S, HDV / 16, false, false, KU_S>(acc_dp, cdO + s_row0 * L::do_pitch, L::do_pitch,
+                                                                 sV + s_col0 * L::v_pitch, L::v_pitch, lane);
+                // -- dS = P o (dP - D[query]), to shared memory in 16 bits --
 #pragma unroll
-            for (int mt = 0; mt < Q_ROWS / 16; ++mt)
+                for (int mt = 0; mt < MT_S; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const i64 q = i0 + q_row0 + mt * 16 + my_row + 8 * h;
-                    if (q >= nq) continue;
-                    float* dq_row = b.dq_acc + (bidx * nq + q) * p.d;
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = s_row0 + mt * 16 + my_row + 8 * h;
+                        const float delta = cD[row];
 #pragma unroll
-                    for (int nt = 0; nt < DQ_COLS / 8; ++nt) {
-                        const int col = dq_col0 + nt * 8 + my_col;
-                        if (col < p.d)
-                            atomic_add_pair(dq_row + col, scale * acc_dq[mt][nt][2 * h], scale * acc_dq[mt][nt][2 * h + 1]);
+                        for (int nt = 0; nt < NT_S; ++nt) {
+                            const int at = row * L::p_pitch + s_col0 + nt * 8 + my_col;
+                            u32 packed;
+                            if constexpr (P_IN_SMEM)
+                                packed = *reinterpret_cast<const u32*>(sP + at);
+                            else
+                                packed = p16[mt][nt][h];
+                            const float2 pv = unpack2<T>(packed);
+                            *reinterpret_cast<u32*>(sdS + at) =
+                                pack2<T>(pv.x * (acc_dp[mt][nt][2 * h] - delta), pv.y * (acc_dp[mt][nt][2 * h + 1] - delta));
+                        }
                     }
-                }
-        }
-    }
+            }
+            __syncthreads();  // P and dS complete
 
-    // -- write this warp's dK (scaled) and dV: fp32 for a later reduction, or final in T --
+            // -- dV += P^T dO,  dK += dS^T Q (scale applied at the end) --
+            if constexpr (DO_DV)
+                warp_gemm<T, KV_ROWS / 16, DV_COLS / 8, BR / 16, true, true, KU_O>(acc_dv, sP + kv_row0, L::p_pitch,
+                                                                            cdO + dv_col0, L::do_pitch, lane);
+            if constexpr (DO_DK)
+                warp_gemm<T, KV_ROWS / 16, DK_COLS / 8, BR / 16, true, true, KU_O>(acc_dk, sdS + kv_row0, L::p_pitch,
+                                                                            cQ + dk_col0, L::q_pitch, lane);
+            // -- dQ_i += scale * dS K, added to the float32 dQ with atomics --
+            if constexpr (ATOMIC_DQ) {
+                float acc_dq[Q_ROWS / 16][DQ_COLS / 8][4];
+                zero(acc_dq);
+                warp_gemm<T, Q_ROWS / 16, DQ_COLS / 8, BC / 16, false, true, KU_O>(acc_dq, sdS + q_row0 * L::p_pitch, L::p_pitch,
+                                                                            sK + dq_col0, L::k_pitch, lane);
 #pragma unroll
-    for (int mt = 0; mt < KV_ROWS / 16; ++mt)
+                for (int mt = 0; mt < Q_ROWS / 16; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 key = j0 + kv_row0 + mt * 16 + my_row + 8 * h;
-            if (key >= nk) continue;
-            if constexpr (DO_DK) {
+                    for (int h = 0; h < 2; ++h) {
+                        const i64 q = i0 + q_row0 + mt * 16 + my_row + 8 * h;
+                        if (q >= nq) continue;
+                        float* dq_row = b.dq_acc + (g.rows + q) * p.d;
 #pragma unroll
-                for (int nt = 0; nt < DK_COLS / 8; ++nt)
-                    store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, dk_col0 + nt * 8 + my_col, p.d, b.dkv_in_dtype,
-                                  scale * acc_dk[mt][nt][2 * h], scale * acc_dk[mt][nt][2 * h + 1]);
-            }
-            if constexpr (DO_DV) {
-#pragma unroll
-                for (int nt = 0; nt < DV_COLS / 8; ++nt)
-                    store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, dv_col0 + nt * 8 + my_col, p.dv, b.dkv_in_dtype,
-                                  acc_dv[mt][nt][2 * h], acc_dv[mt][nt][2 * h + 1]);
+                        for (int nt = 0; nt < DQ_COLS / 8; ++nt) {
+                            const int col = dq_col0 + nt * 8 + my_col;
+                            if (col < p.d)
+                                atomic_add_pair(dq_row + col, scale * acc_dq[mt][nt][2 * h], scale * acc_dq[mt][nt][2 * h + 1]);
+                        }
+                    }
             }
         }
+
+        // -- write this warp's dK (scaled) and dV: fp32 for a later reduction, or final in T --
+#pragma unroll
+        for (int mt = 0; mt < KV_ROWS / 16; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 key = j0 + kv_row0 + mt * 16 + my_row + 8 * h;
+                if (key >= nk) continue;
+                if constexpr (DO_DK) {
+#pragma unroll
+                    for (int nt = 0; nt < DK_COLS / 8; ++nt)
+                        store_pair<T>(b.dk_acc, (g.kv_rows + key) * p.d, dk_col0 + nt * 8 + my_col, p.d, b.dkv_in_dtype,
+                                      scale * acc_dk[mt][nt][2 * h], scale * acc_dk[mt][nt][2 * h + 1]);
+                }
+                if constexpr (DO_DV) {
+#pragma unroll
+                    for (int nt = 0; nt < DV_COLS / 8; ++nt)
+                        store_pair<T>(b.dv_acc, (g.kv_rows + key) * p.dv, dv_col0 + nt * 8 + my_col, p.dv, b.dkv_in_dtype,
+                                      acc_dv[mt][nt][2 * h], acc_dv[mt][nt][2 * h + 1]);
+                }
+            }
+    }  // items
 }
 
 // ---- deterministic dQ ------------------------------------------------------------------
@@ -354,7 +373,9 @@ struct BwdDqSmemLayout {
     static constexpr int bytes = 2 * (q_elems + do_elems + 2 * k_elems + 2 * v_elems);
 };
 
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE, int SMEM_BYTES>
+// VARLEN: the CTA walks the query tiles of its sequence that its grid position names.
+template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE, bool VARLEN,
+          int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
@@ -371,140 +392,148 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const i64 q0 = (i64)q_tile * BR, nq = p.nq, nk = p.nk;
-    const BwdSlice<T> in = bwd_slice<T>(p, b, bidx);
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
+    const i64 nq = g.nq, nk = g.nk;
+    const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
     const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
-    const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
-    const int n_tiles = tiles.count;
-    int clean_first, clean_last;  // this warp's key tiles that need no element mask
-    band.clean_key_tiles(q0 + warp * 16, 16, BC, nk, clean_first, clean_last);
+    const int n_q_tiles = tiles_of(nq, BR);
 
-    const int my_col = 2 * (lane % 4);
-    const i64 my_q[2] = {q0 + warp * 16 + lane / 4, q0 + warp * 16 + lane / 4 + 8};
-    float m_row[2], log2l[2], delta[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows past nq read the padding: m = +inf, D = 0
-        m_row[h] = in.lse2[2 * my_q[h]];
-        log2l[h] = in.lse2[2 * my_q[h] + 1];
-        delta[h] = in.delta[my_q[h]];
-    }
-    const float scale = (float)p.scale;
+#pragma unroll 1
+    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
+        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+        const i64 q0 = (i64)q_tile * BR;
+        const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
+        const Band band = g.band<CAUSAL>(p);
+        const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC, nk);
+        const int n_tiles = tiles.count;
+        int clean_first, clean_last;  // this warp's key tiles that need no element mask
+        band.clean_key_tiles(q0 + warp * 16, 16, BC, nk, clean_first, clean_last);
 
-    float acc_dq[HD / 8][4];
+        const int my_col = 2 * (lane % 4);
+        const i64 my_q[2] = {q0 + warp * 16 + lane / 4, q0 + warp * 16 + lane / 4 + 8};
+        float m_row[2], log2l[2], delta[2];
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
-
-    if (n_tiles > 0) {
-        load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
-        load_tile_async<BR, HDV, L::do_pitch, NT>(sdO, gdO, b.do_row_stride, q0, nq, p.dv, tid);
-        const i64 k_first = (i64)tiles.tile(0) * BC;
-        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
-        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
-        cp_async_commit();
-    }
-    for (int t = 0; t < n_tiles; ++t) {
-        cp_async_wait<0>();
-        __syncthreads();
-        if (t + 1 < n_tiles) {
-            const int stage = (t + 1) & 1;
-            const i64 k_next = (i64)tiles.tile(t + 1) * BC;
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride, k_next, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride, k_next, nk, p.dv, tid);
+        for (int h = 0; h < 2; ++h) {  // rows past nq read the padding: m = +inf, D = 0
+            m_row[h] = in.lse2[2 * my_q[h]];
+            log2l[h] = in.lse2[2 * my_q[h] + 1];
+            delta[h] = in.delta[my_q[h]];
         }
-        cp_async_commit();
-        const T* cK = sK + (t & 1) * L::k_elems;
-        const T* cV = sV + (t & 1) * L::v_elems;
-        const int k_tile = tiles.tile(t);
-        const i64 k0 = (i64)k_tile * BC;
+        const float scale = (float)p.scale;
 
-        // -- S = Q K^T and dP = dO V^T, this warp's 16 queries against BC keys --
-        float acc_s[BC / 8][4], acc_dp[BC / 8][4];
+        float acc_dq[HD / 8][4];
 #pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
+        for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[n][e] = acc_dp[n][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 a[4];
-            ldmatrix_x4(a, smem_addr(sQ + (warp * 16 + lane % 16) * L::q_pitch + kk * 16 + (lane / 16) * 8));
-#pragma unroll
-            for (int nn = 0; nn < BC / 16; ++nn) {
-                u32 bk[4];
-                ldmatrix_x4(bk, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::k_pitch + kk * 16 + ((lane / 8) % 2) * 8));
-                mma_16816<T>(acc_s[2 * nn], a, bk[0], bk[1]);
-                mma_16816<T>(acc_s[2 * nn + 1], a, bk[2], bk[3]);
+            for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
+
+        if (n_tiles > 0) {
+            load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
+            load_tile_async<BR, HDV, L::do_pitch, NT>(sdO, gdO, b.do_row_stride, q0, nq, p.dv, tid);
+            const i64 k_first = (i64)tiles.tile(0) * BC;
+            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
+            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
+            cp_async_commit();
+        }
+        for (int t = 0; t < n_tiles; ++t) {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (t + 1 < n_tiles) {
+                const int stage = (t + 1) & 1;
+                const i64 k_next = (i64)tiles.tile(t + 1) * BC;
+                load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride, k_next, nk, p.d, tid);
+                load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride, k_next, nk, p.dv, tid);
             }
-        }
-#pragma unroll
-        for (int kk = 0; kk < HDV / 16; ++kk) {
-            u32 a[4];
-            ldmatrix_x4(a, smem_addr(sdO + (warp * 16 + lane % 16) * L::do_pitch + kk * 16 + (lane / 16) * 8));
-#pragma unroll
-            for (int nn = 0; nn < BC / 16; ++nn) {
-                u32 bv[4];
-                ldmatrix_x4(bv, smem_addr(cV + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::v_pitch + kk * 16 + ((lane / 8) % 2) * 8));
-                mma_16816<T>(acc_dp[2 * nn], a, bv[0], bv[1]);
-                mma_16816<T>(acc_dp[2 * nn + 1], a, bv[2], bv[3]);
-            }
-        }
-        if (k_tile < clean_first || k_tile > clean_last) {
-            const TileMask mask(Band::of<CAUSAL>(p), q0, k0, nk);
+            cp_async_commit();
+            const T* cK = sK + (t & 1) * L::k_elems;
+            const T* cV = sV + (t & 1) * L::v_elems;
+            const int k_tile = tiles.tile(t);
+            const i64 k0 = (i64)k_tile * BC;
+
+            // -- S = Q K^T and dP = dO V^T, this warp's 16 queries against BC keys --
+            float acc_s[BC / 8][4], acc_dp[BC / 8][4];
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!mask.allowed(warp * 16 + lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1))) acc_s[n][e] = neg_inf();
-        }
-        if (tiles.partial(t)) {
+                for (int e = 0; e < 4; ++e) acc_s[n][e] = acc_dp[n][e] = 0.f;
 #pragma unroll
-            for (int n = 0; n < BC / 8; ++n)
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                u32 a[4];
+                ldmatrix_x4(a, smem_addr(sQ + (warp * 16 + lane % 16) * L::q_pitch + kk * 16 + (lane / 16) * 8));
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const i64 q = my_q[e / 2], key = k0 + n * 8 + my_col + (e & 1);
-                    if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[n][e] = neg_inf();
+                for (int nn = 0; nn < BC / 16; ++nn) {
+                    u32 bk[4];
+                    ldmatrix_x4(bk, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::k_pitch + kk * 16 + ((lane / 8) % 2) * 8));
+                    mma_16816<T>(acc_s[2 * nn], a, bk[0], bk[1]);
+                    mma_16816<T>(acc_s[2 * nn + 1], a, bk[2], bk[3]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < HDV / 16; ++kk) {
+                u32 a[4];
+                ldmatrix_x4(a, smem_addr(sdO + (warp * 16 + lane % 16) * L::do_pitch + kk * 16 + (lane / 16) * 8));
+#pragma unroll
+                for (int nn = 0; nn < BC / 16; ++nn) {
+                    u32 bv[4];
+                    ldmatrix_x4(bv, smem_addr(cV + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::v_pitch + kk * 16 + ((lane / 8) % 2) * 8));
+                    mma_16816<T>(acc_dp[2 * nn], a, bv[0], bv[1]);
+                    mma_16816<T>(acc_dp[2 * nn + 1], a, bv[2], bv[3]);
+                }
+            }
+            if (k_tile < clean_first || k_tile > clean_last) {
+                const TileMask mask(g.band<CAUSAL>(p), q0, k0, nk);
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!mask.allowed(warp * 16 + lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1))) acc_s[n][e] = neg_inf();
+            }
+            if (tiles.partial(t)) {
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const i64 q = my_q[e / 2], key = k0 + n * 8 + my_col + (e & 1);
+                        if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[n][e] = neg_inf();
+                    }
+            }
+            // -- dS = P o (dP - D), P recomputed (recompute_p), as A fragments --
+            u32 ds_frag[BC / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float* s = acc_s[2 * kk + half];
+                    const float* dp = acc_dp[2 * kk + half];
+                    ds_frag[kk][2 * half] = pack2<T>(recompute_p(s[0], scale, m_row[0], log2l[0]) * (dp[0] - delta[0]),
+                                                     recompute_p(s[1], scale, m_row[0], log2l[0]) * (dp[1] - delta[0]));
+                    ds_frag[kk][2 * half + 1] = pack2<T>(recompute_p(s[2], scale, m_row[1], log2l[1]) * (dp[2] - delta[1]),
+                                                         recompute_p(s[3], scale, m_row[1], log2l[1]) * (dp[3] - delta[1]));
+                }
+            // -- dQ += dS K (K read transposed) --
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+                for (int nd = 0; nd < HD / 16; ++nd) {
+                    u32 bk[4];
+                    ldmatrix_x4_trans(bk, smem_addr(cK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::k_pitch + nd * 16 + (lane / 16) * 8));
+                    mma_16816<T>(acc_dq[2 * nd], ds_frag[kk], bk[0], bk[1]);
+                    mma_16816<T>(acc_dq[2 * nd + 1], ds_frag[kk], bk[2], bk[3]);
                 }
         }
-        // -- dS = P o (dP - D), P recomputed (recompute_p), as A fragments --
-        u32 ds_frag[BC / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk)
+        for (int h = 0; h < 2; ++h) {
+            if (my_q[h] >= nq) continue;
+            float* row = b.dq_acc + (g.rows + my_q[h]) * p.d;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const float* s = acc_s[2 * kk + half];
-                const float* dp = acc_dp[2 * kk + half];
-                ds_frag[kk][2 * half] = pack2<T>(recompute_p(s[0], scale, m_row[0], log2l[0]) * (dp[0] - delta[0]),
-                                                 recompute_p(s[1], scale, m_row[0], log2l[0]) * (dp[1] - delta[0]));
-                ds_frag[kk][2 * half + 1] = pack2<T>(recompute_p(s[2], scale, m_row[1], log2l[1]) * (dp[2] - delta[1]),
-                                                     recompute_p(s[3], scale, m_row[1], log2l[1]) * (dp[3] - delta[1]));
+            for (int n = 0; n < HD / 8; ++n) {
+                const int col = n * 8 + my_col;
+                if (col < p.d)
+                    *reinterpret_cast<float2*>(row + col) = make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
             }
-        // -- dQ += dS K (K read transposed) --
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk)
-#pragma unroll
-            for (int nd = 0; nd < HD / 16; ++nd) {
-                u32 bk[4];
-                ldmatrix_x4_trans(bk, smem_addr(cK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::k_pitch + nd * 16 + (lane / 16) * 8));
-                mma_16816<T>(acc_dq[2 * nd], ds_frag[kk], bk[0], bk[1]);
-                mma_16816<T>(acc_dq[2 * nd + 1], ds_frag[kk], bk[2], bk[3]);
-            }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (my_q[h] >= nq) continue;
-        float* row = b.dq_acc + (bidx * nq + my_q[h]) * p.d;
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            const int col = n * 8 + my_col;
-            if (col < p.d)
-                *reinterpret_cast<float2*>(row + col) = make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
         }
-    }
+    }  // items
 }
 
 }  // namespace cuflash

@@ -22,8 +22,9 @@ __device__ __forceinline__ void load_rows_f32(float* smem, const float* gmem, i6
     }
 }
 
-// DT = ceil(d / 32), DVT = ceil(dv / 32): dK / dV columns per lane.
-template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL, bool SPARSE>
+// DT = ceil(d / 32), DVT = ceil(dv / 32): dK / dV columns per lane. VARLEN (both kernels): the
+// CTA walks the tiles of its sequence that its grid position names (slice.cuh).
+template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL, bool SPARSE, bool VARLEN>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     constexpr int NT = NWARPS * 32, BK = NWARPS * KPW;
@@ -38,68 +39,75 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const i64 nq = p.nq, nk = p.nk, j0 = (i64)blockIdx.x * BK;
-    const BwdSlice<float> in = bwd_slice<float>(p, b, bidx);
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
+    const i64 nq = g.nq, nk = g.nk;
+    const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
     const float *gQ = in.q, *gdO = in.dout;
-    load_rows_f32(sK, in.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
-    load_rows_f32(sV, in.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
-
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = query_tiles<SPARSE>(p, band, bidx, (int)blockIdx.x, j0, BK, 32);
-    const float scale = (float)p.scale;
-    float acc_dk[KPW][DT], acc_dv[KPW][DVT];
-#pragma unroll
-    for (int r = 0; r < KPW; ++r) {
-#pragma unroll
-        for (int u = 0; u < DT; ++u) acc_dk[r][u] = 0.f;
-#pragma unroll
-        for (int u = 0; u < DVT; ++u) acc_dv[r][u] = 0.f;
-    }
-
-    for (int it = 0; it < tiles.count; ++it) {
-        const i64 q0 = (i64)tiles.tile(it) * 32;
-        __syncthreads();  // every warp is done with the previous query tile
-        load_rows_f32(sQ, gQ, p.q_row_stride, q0, nq, 32, DT * 32, d, QP, tid, NT);
-        load_rows_f32(sdO, gdO, b.do_row_stride, q0, nq, 32, DVT * 32, dv, OP, tid, NT);
-        __syncthreads();
-        const i64 q = q0 + lane;  // this lane's query; rows past nq read the padding
-        const float m_row = in.lse2[2 * q], log2l = in.lse2[2 * q + 1];
-        const float delta = in.delta[q];
+    const Band band = g.band<CAUSAL>(p);
+    const int n_k_tiles = tiles_of(nk, BK);
+#pragma unroll 1
+    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
+        const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+        const i64 j0 = (i64)key_tile * BK;
+        load_rows_f32(sK, in.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
+        load_rows_f32(sV, in.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
+        const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, j0, BK, 32, nq, nk);
+        const float scale = (float)p.scale;
+        float acc_dk[KPW][DT], acc_dv[KPW][DVT];
 #pragma unroll
         for (int r = 0; r < KPW; ++r) {
-            const int kr = warp * KPW + r;
-            const i64 key = j0 + kr;
-            float s = 0.f, dp = 0.f;
-            for (int c = 0; c < d; ++c) s = fmaf(sK[kr * d + c], sQ[lane * QP + c], s);
-            for (int c = 0; c < dv; ++c) dp = fmaf(sV[kr * dv + c], sdO[lane * OP + c], dp);
-            const bool allowed = pair_allowed(p, band, tiles, tiles.partial(it), q, key);
-            const float pr = allowed ? recompute_p(s, scale, m_row, log2l) : 0.f;
-            const float ds = pr * (dp - delta);
-            for (int j = 0; j < 32; ++j) {
-                const float pj = __shfl_sync(0xffffffffu, pr, j);
-                const float dsj = __shfl_sync(0xffffffffu, ds, j);
 #pragma unroll
-                for (int u = 0; u < DVT; ++u) acc_dv[r][u] = fmaf(pj, sdO[j * OP + lane + 32 * u], acc_dv[r][u]);
+            for (int u = 0; u < DT; ++u) acc_dk[r][u] = 0.f;
 #pragma unroll
-                for (int u = 0; u < DT; ++u) acc_dk[r][u] = fmaf(dsj, sQ[j * QP + lane + 32 * u], acc_dk[r][u]);
+            for (int u = 0; u < DVT; ++u) acc_dv[r][u] = 0.f;
+        }
+
+        for (int it = 0; it < tiles.count; ++it) {
+            const i64 q0 = (i64)tiles.tile(it) * 32;
+            __syncthreads();  // every warp is done with the previous query tile
+            load_rows_f32(sQ, gQ, p.q_row_stride, q0, nq, 32, DT * 32, d, QP, tid, NT);
+            load_rows_f32(sdO, gdO, b.do_row_stride, q0, nq, 32, DVT * 32, dv, OP, tid, NT);
+            __syncthreads();
+            const i64 q = q0 + lane;  // this lane's query; rows past nq read the padding
+            const float m_row = in.lse2[2 * q], log2l = in.lse2[2 * q + 1];
+            const float delta = in.delta[q];
+#pragma unroll
+            for (int r = 0; r < KPW; ++r) {
+                const int kr = warp * KPW + r;
+                const i64 key = j0 + kr;
+                float s = 0.f, dp = 0.f;
+                for (int c = 0; c < d; ++c) s = fmaf(sK[kr * d + c], sQ[lane * QP + c], s);
+                for (int c = 0; c < dv; ++c) dp = fmaf(sV[kr * dv + c], sdO[lane * OP + c], dp);
+                const bool allowed = pair_allowed(p, band, tiles, tiles.partial(it), q, key, nq, nk);
+                const float pr = allowed ? recompute_p(s, scale, m_row, log2l) : 0.f;
+                const float ds = pr * (dp - delta);
+                for (int j = 0; j < 32; ++j) {
+                    const float pj = __shfl_sync(0xffffffffu, pr, j);
+                    const float dsj = __shfl_sync(0xffffffffu, ds, j);
+#pragma unroll
+                    for (int u = 0; u < DVT; ++u) acc_dv[r][u] = fmaf(pj, sdO[j * OP + lane + 32 * u], acc_dv[r][u]);
+#pragma unroll
+                    for (int u = 0; u < DT; ++u) acc_dk[r][u] = fmaf(dsj, sQ[j * QP + lane + 32 * u], acc_dk[r][u]);
+                }
             }
         }
-    }
 #pragma unroll
-    for (int r = 0; r < KPW; ++r) {
-        const i64 key = j0 + warp * KPW + r;
-        if (key >= nk) continue;
+        for (int r = 0; r < KPW; ++r) {
+            const i64 key = j0 + warp * KPW + r;
+            if (key >= nk) continue;
 #pragma unroll
-        for (int u = 0; u < DT; ++u)
-            if (lane + 32 * u < d) b.dk_acc[(bidx * nk + key) * d + lane + 32 * u] = scale * acc_dk[r][u];
+            for (int u = 0; u < DT; ++u)
+                if (lane + 32 * u < d) b.dk_acc[(g.kv_rows + key) * d + lane + 32 * u] = scale * acc_dk[r][u];
 #pragma unroll
-        for (int u = 0; u < DVT; ++u)
-            if (lane + 32 * u < dv) b.dv_acc[(bidx * nk + key) * dv + lane + 32 * u] = acc_dv[r][u];
-    }
+            for (int u = 0; u < DVT; ++u)
+                if (lane + 32 * u < dv) b.dv_acc[(g.kv_rows + key) * dv + lane + 32 * u] = acc_dv[r][u];
+        }
+    }  // items
 }
 
-template <int DT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE>
+template <int DT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE, bool VARLEN>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, KP = DT * 32 + 1;
@@ -113,58 +121,65 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const i64 q0 = (i64)q_tile * BR, nq = p.nq, nk = p.nk;
-    const BwdSlice<float> in = bwd_slice<float>(p, b, bidx);
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
+    const i64 nq = g.nq, nk = g.nk;
+    const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
     const float *gK = in.k, *gV = in.v;
-    load_rows_f32(sQ, in.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
-    load_rows_f32(sdO, in.dout, b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);
-    const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, 32);
-    const float scale = (float)p.scale;
+    const Band band = g.band<CAUSAL>(p);
+    const int n_q_tiles = tiles_of(nq, BR);
+#pragma unroll 1
+    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
+        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+        const i64 q0 = (i64)q_tile * BR;
+        load_rows_f32(sQ, in.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
+        load_rows_f32(sdO, in.dout, b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);
+        const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
+        const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, 32, nk);
+        const float scale = (float)p.scale;
 
-    float m_row[RPW], log2l[RPW], delta[RPW], acc[RPW][DT];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const i64 q = q0 + warp * RPW + r;  // rows past nq read the padding (m = +inf)
-        m_row[r] = in.lse2[2 * q];
-        log2l[r] = in.lse2[2 * q + 1];
-        delta[r] = in.delta[q];
-#pragma unroll
-        for (int u = 0; u < DT; ++u) acc[r][u] = 0.f;
-    }
-    for (int it = 0; it < tiles.count; ++it) {
-        const i64 k0 = (i64)tiles.tile(it) * 32;
-        __syncthreads();
-        load_rows_f32(sK, gK, p.k_row_stride, k0, nk, 32, DT * 32, d, KP, tid, NT);
-        load_rows_f32(sV, gV, p.v_row_stride, k0, nk, 32, dv, dv, vp, tid, NT);
-        __syncthreads();
-        const i64 key = k0 + lane;
+        float m_row[RPW], log2l[RPW], delta[RPW], acc[RPW][DT];
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-            const int row = warp * RPW + r;
-            float s = 0.f, dp = 0.f;
-            for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * KP + c], s);
-            for (int c = 0; c < dv; ++c) dp = fmaf(sdO[row * dv + c], sV[lane * vp + c], dp);
-            const float pr = pair_allowed(p, band, tiles, tiles.partial(it), q0 + row, key) ? recompute_p(s, scale, m_row[r], log2l[r]) : 0.f;
-            const float ds = pr * (dp - delta[r]);
-            for (int j = 0; j < 32; ++j) {
-                const float dsj = __shfl_sync(0xffffffffu, ds, j);
+            const i64 q = q0 + warp * RPW + r;  // rows past nq read the padding (m = +inf)
+            m_row[r] = in.lse2[2 * q];
+            log2l[r] = in.lse2[2 * q + 1];
+            delta[r] = in.delta[q];
 #pragma unroll
-                for (int u = 0; u < DT; ++u) acc[r][u] = fmaf(dsj, sK[j * KP + lane + 32 * u], acc[r][u]);
+            for (int u = 0; u < DT; ++u) acc[r][u] = 0.f;
+        }
+        for (int it = 0; it < tiles.count; ++it) {
+            const i64 k0 = (i64)tiles.tile(it) * 32;
+            __syncthreads();
+            load_rows_f32(sK, gK, p.k_row_stride, k0, nk, 32, DT * 32, d, KP, tid, NT);
+            load_rows_f32(sV, gV, p.v_row_stride, k0, nk, 32, dv, dv, vp, tid, NT);
+            __syncthreads();
+            const i64 key = k0 + lane;
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                const int row = warp * RPW + r;
+                float s = 0.f, dp = 0.f;
+                for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * KP + c], s);
+                for (int c = 0; c < dv; ++c) dp = fmaf(sdO[row * dv + c], sV[lane * vp + c], dp);
+                const float pr = pair_allowed(p, band, tiles, tiles.partial(it), q0 + row, key, nq, nk) ? recompute_p(s, scale, m_row[r], log2l[r]) : 0.f;
+                const float ds = pr * (dp - delta[r]);
+                for (int j = 0; j < 32; ++j) {
+                    const float dsj = __shfl_sync(0xffffffffu, ds, j);
+#pragma unroll
+                    for (int u = 0; u < DT; ++u) acc[r][u] = fmaf(dsj, sK[j * KP + lane + 32 * u], acc[r][u]);
+                }
             }
         }
-    }
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const i64 q = q0 + warp * RPW + r;
-        if (q >= nq) continue;
+        for (int r = 0; r < RPW; ++r) {
+            const i64 q = q0 + warp * RPW + r;
+            if (q >= nq) continue;
 #pragma unroll
-        for (int u = 0; u < DT; ++u)
-            if (lane + 32 * u < d) b.dq_acc[(bidx * nq + q) * d + lane + 32 * u] = scale * acc[r][u];
-    }
+            for (int u = 0; u < DT; ++u)
+                if (lane + 32 * u < d) b.dq_acc[(g.rows + q) * d + lane + 32 * u] = scale * acc[r][u];
+        }
+    }  // items
 }
 
 }  // namespace cuflash

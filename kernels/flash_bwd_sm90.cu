@@ -91,7 +91,12 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
         }
 }
 
-template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ, int SMEM_BYTES>
+// VARLEN: a packed variable-length batch (slice.cuh): the CTA walks the key tiles of its
+// sequence that its grid position names. Its ring of Q / dO stages counts on across them (a
+// tile's stage and phase come from the tiles of the earlier items plus its own index), and
+// all three warpgroups meet between items, before K and V are replaced.
+template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ, bool VARLEN,
+          int SMEM_BYTES>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     using L = Bwd90SmemLayout<HD, STAGES>;
@@ -126,240 +131,273 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     }
     __syncthreads();
 
-    const int key_tile = (int)blockIdx.x;
-    const i64 k0 = (i64)key_tile * kBwd90Keys;
-    const i64 nq = p.nq, nk = p.nk;
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows);
-    const int n_tiles = tiles.count;
+    // Each side takes the geometry itself: a dense producer's offsets (64-bit divisions) stay
+    // out of the consumers' code.
+    auto geometry = [&] { return slice_geometry<VARLEN>(p, bidx, b.nq_pad); };
 
     if (warpgroup == 0) {
         // ---- producer ----
         sm90::release_registers<kBwd90ProducerRegisters>();
-        if (n_tiles > 0) {
-            const BwdSlice<T> in = bwd_slice<T>(p, b, bidx);
-            const T *gK = in.k, *gV = in.v, *gQ = in.q, *gDO = in.dout;
-            const float *gLse = in.lse2, *gD = in.delta;
-            sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, gK, p.k_row_stride, k0, nk, p.d, tid);
-            sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sV, gV, p.v_row_stride, k0, nk, p.dv, tid);
-            sm90::cp_async_arrive(bar.kv_full());
-            for (int t = 0; t < n_tiles; ++t) {
-                const int s = t % STAGES;
-                if (t >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((t / STAGES) & 1) ^ 1);
-                const i64 q0 = (i64)tiles.tile(t) * kBwd90Rows;
-                sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sQ + s * L::q_bytes, gQ, p.q_row_stride, q0, nq, p.d, tid);
-                sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sDO + s * L::q_bytes, gDO, b.do_row_stride, q0, nq, p.dv, tid);
-                // statistics rows [q0, q0 + 64) exist up to nq_pad: 32 + 16 chunks of 16 bytes
-                float* st = sStat + s * L::stat_floats;
-                if (tid < 32) cp_async_16(smem_addr(st + 4 * tid), gLse + 2 * q0 + 4 * tid, true);
-                else if (tid < 48) cp_async_16(smem_addr(st + 2 * kBwd90Rows + 4 * (tid - 32)), gD + q0 + 4 * (tid - 32), true);
-                sm90::cp_async_arrive(bar.full(s));
+        const SliceGeometry g = geometry();
+        const i64 nq = g.nq, nk = g.nk;
+        const Band band = g.band<CAUSAL>(p);
+        const int n_k_tiles = tiles_of(nk, kBwd90Keys);
+        u32 ring = 0;  // query tiles of the earlier items
+#pragma unroll 1
+        for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+            if (item != first_item<VARLEN>()) __syncthreads();  // the consumers are done with K and V
+            const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+            const i64 k0 = (i64)key_tile * kBwd90Keys;
+            const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
+            const int n_tiles = tiles.count;
+            if (n_tiles > 0) {
+                const int tid = item_thread_index<VARLEN>();
+                const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
+                const T *gK = in.k, *gV = in.v, *gQ = in.q, *gDO = in.dout;
+                const float *gLse = in.lse2, *gD = in.delta;
+                sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, gK, p.k_row_stride, k0, nk, p.d, tid);
+                sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sV, gV, p.v_row_stride, k0, nk, p.dv, tid);
+                sm90::cp_async_arrive(bar.kv_full());
+                for (int t = 0; t < n_tiles; ++t) {
+                    const u32 r = ring + t;  // the tile's place in the ring
+                    const int s = r % STAGES;
+                    if (r >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((r / STAGES) & 1) ^ 1);
+                    const i64 q0 = (i64)tiles.tile(t) * kBwd90Rows;
+                    sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sQ + s * L::q_bytes, gQ, p.q_row_stride, q0, nq, p.d, tid);
+                    sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sDO + s * L::q_bytes, gDO, b.do_row_stride, q0, nq, p.dv, tid);
+                    // statistics rows [q0, q0 + 64) exist up to nq_pad: 32 + 16 chunks of 16 bytes
+                    float* st = sStat + s * L::stat_floats;
+                    if (tid < 32) cp_async_16(smem_addr(st + 4 * tid), gLse + 2 * q0 + 4 * tid, true);
+                    else if (tid < 48) cp_async_16(smem_addr(st + 2 * kBwd90Rows + 4 * (tid - 32)), gD + q0 + 4 * (tid - 32), true);
+                    sm90::cp_async_arrive(bar.full(s));
+                }
+                cp_async_wait<0>();
+                ring += n_tiles;
             }
-            cp_async_wait<0>();
-        }
+        }  // items
     } else {
         // ---- consumers: 64 keys each ----
         sm90::claim_registers<kBwd90ConsumerRegisters>();
-        const int ct = tid % 128, warp = ct / 32, lane = ct % 32;
-        const int row0 = 64 * (warpgroup - 1);   // the warpgroup's first key in the CTA's tile
-        const i64 wk0 = k0 + row0;               // ... as an absolute key
-        const int my_col = 2 * (lane % 4);
-        const float scale = (float)p.scale;
-        int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
-        band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
-        const int dq_tile = kOwnKeysDq ? warpgroup - 1 : 0;            // which fp32 dQ tile (BULK_DQ)
-        const int dq_issuer = kOwnKeysDq ? 128 * warpgroup : 128;      // the thread that adds it to dQ
+        const SliceGeometry g = geometry();
+        const i64 nq = g.nq, nk = g.nk;
+        const Band band = g.band<CAUSAL>(p);
+        const int n_k_tiles = tiles_of(nk, kBwd90Keys);
+        u32 ring = 0, kv_round = 0;  // query tiles and K / V loads of the earlier items
+#pragma unroll 1
+        for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+            if (item != first_item<VARLEN>()) __syncthreads();  // this item's K and V may be loaded
+            const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+            const i64 k0 = (i64)key_tile * kBwd90Keys;
+            const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
+            const int n_tiles = tiles.count;
+            const int tid = item_thread_index<VARLEN>();
+            const int ct = tid % 128, warp = ct / 32, lane = ct % 32;
+            const int row0 = 64 * (warpgroup - 1);   // the warpgroup's first key in the CTA's tile
+            const i64 wk0 = k0 + row0;               // ... as an absolute key
+            const int my_col = 2 * (lane % 4);
+            const float scale = (float)p.scale;
+            int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
+            band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
+            const int dq_tile = kOwnKeysDq ? warpgroup - 1 : 0;            // which fp32 dQ tile (BULK_DQ)
+            const int dq_issuer = kOwnKeysDq ? 128 * warpgroup : 128;      // the thread that adds it to dQ
 
-        float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
+            float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
+            for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
+                for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
 
-        if (n_tiles > 0) {
-            sm90::mbarrier_wait(bar.kv_full(), 0);
-            sm90::fence_async_shared();
-        }
-        for (int t = 0; t < n_tiles; ++t) {
-            const int s = t % STAGES;
-            const int q_tile = tiles.tile(t);
-            const i64 q0 = (i64)q_tile * kBwd90Rows;
-            const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
-            const float* st = sStat + s * L::stat_floats;
-            sm90::mbarrier_wait(bar.full(s), (t / STAGES) & 1);
-            sm90::fence_async_shared();
-
-            // -- S^T = K Q^T --
-            float acc_s[8][4];
-            sm90::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk)
-                sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
-                                      sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
-            sm90::wgmma_commit();
-            sm90::wgmma_wait<0>();
-            sm90::fence_operand(acc_s);
-
-            // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
-            // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
-            const bool masked = q_tile < clean_first || q_tile > clean_last;
-            const TileMask mask(band, q0, wk0, nk);
-            // A partial tile's element mask: its block look-ups stay out of the loop below,
-            // whose registers S^T, dK and dV fill (rows of S^T are keys).
-            const unsigned long long keep = SPARSE && tiles.partial(t)
-                ? partial_tile_keep<1, 8, true>(p, tiles, wk0 + 16 * warp, q0, lane) : ~0ull;
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
-                    float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
-                    if (masked && !mask.allowed(ql, kl)) pv = 0.f;
-                    if (!kept<8>(keep, 0, n, e)) pv = 0.f;
-                    acc_s[n][e] = pv;
-                }
-            u32 p_frag[4][4];
-            pack_frags<T>(acc_s, p_frag);
-
-            // -- dP^T = V dO^T and dV += P^T dO. At head dim 64, dV is a second group and dS^T
-            // is formed while it runs (p_frag, its A operand, is only read meanwhile); at 128
-            // that spills (dV in flight pins 64 more registers), so both are waited for at once --
-            float acc_dp[8][4];
-            sm90::fence_operand(acc_dv);
-            sm90::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk)
-                sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
-                                      sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
-            if constexpr (kDvUnderDs) sm90::wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
-            sm90::wgmma_commit();
-            if constexpr (kDvUnderDs) {
-                sm90::wgmma_wait<1>();  // dP^T is done; dV may still run
-            } else {
-                sm90::wgmma_wait<0>();
-                sm90::fence_operand(acc_dv);
-            }
-            sm90::fence_operand(acc_dp);
-
-            // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int n = 2 * kk + half;
-                        const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
-                        const float* d = st + 2 * kBwd90Rows + 8 * n + my_col;
-                        acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d[0]);
-                        acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d[1]);
-                    }
-
-            // -- dK += dS^T Q --
-            u32 ds_frag[4][4];
-            pack_frags<T>(acc_dp, ds_frag);
-            const u32 cDS = kDoubleDs ? sDS + s * L::ds_bytes : sDS;
-            if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
-            sm90::fence_operand(acc_dk);
-            sm90::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
-            sm90::wgmma_commit();
-
-            if (ATOMIC_DQ) {
-                // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
-                // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
-                // its own partial sum: the warpgroups then never wait for each other --
-                sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
-                sm90::fence_operand(acc_dv);
-                sm90::fence_operand(acc_dk);
+            if (n_tiles > 0) {
+                sm90::mbarrier_wait(bar.kv_full(), kv_round & 1);
                 sm90::fence_async_shared();
-                if constexpr (BULK_DQ) {
-                    if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
-                }
-                if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
-                else sm90::named_barrier_sync<1, 256>();
-                if (kOwnKeysDq || HD == 128 || warpgroup == 1) {
-                    float acc_dq[8][4];
-                    const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
-                    const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
-                    // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
-                    // transposed: both MN-major. 64-column block col0 / 64 of K.
+            }
+            for (int t = 0; t < n_tiles; ++t) {
+                const u32 r = ring + t;  // the tile's place in the ring
+                const int s = r % STAGES;
+                const int q_tile = tiles.tile(t);
+                const i64 q0 = (i64)q_tile * kBwd90Rows;
+                const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
+                const float* st = sStat + s * L::stat_floats;
+                sm90::mbarrier_wait(bar.full(s), (r / STAGES) & 1);
+                sm90::fence_async_shared();
+
+                // -- S^T = K Q^T --
+                float acc_s[8][4];
+                sm90::wgmma_fence();
 #pragma unroll
-                    for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
-                        sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
-                                             sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
-                                             i > 0);
-                    sm90::wgmma_commit();
+                for (int kk = 0; kk < HD / 16; ++kk)
+                    sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
+                                          sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
+                sm90::wgmma_commit();
+                sm90::wgmma_wait<0>();
+                sm90::fence_operand(acc_s);
+
+                // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
+                // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
+                const bool masked = q_tile < clean_first || q_tile > clean_last;
+                const TileMask mask(band, q0, wk0, nk);
+                // A partial tile's element mask: its block look-ups stay out of the loop below,
+                // whose registers S^T, dK and dV fill (rows of S^T are keys).
+                const unsigned long long keep = SPARSE && tiles.partial(t)
+                    ? partial_tile_keep<1, 8, true>(p, tiles, wk0 + 16 * warp, q0, lane) : ~0ull;
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
+                        float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
+                        if (masked && !mask.allowed(ql, kl)) pv = 0.f;
+                        if (!kept<8>(keep, 0, n, e)) pv = 0.f;
+                        acc_s[n][e] = pv;
+                    }
+                u32 p_frag[4][4];
+                pack_frags<T>(acc_s, p_frag);
+
+                // -- dP^T = V dO^T and dV += P^T dO. At head dim 64, dV is a second group and dS^T
+                // is formed while it runs (p_frag, its A operand, is only read meanwhile); at 128
+                // that spills (dV in flight pins 64 more registers), so both are waited for at once --
+                float acc_dp[8][4];
+                sm90::fence_operand(acc_dv);
+                sm90::wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; ++kk)
+                    sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
+                                          sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+                if constexpr (kDvUnderDs) sm90::wgmma_commit();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
+                sm90::wgmma_commit();
+                if constexpr (kDvUnderDs) {
+                    sm90::wgmma_wait<1>();  // dP^T is done; dV may still run
+                } else {
                     sm90::wgmma_wait<0>();
-                    sm90::fence_operand(acc_dq);
+                    sm90::fence_operand(acc_dv);
+                }
+                sm90::fence_operand(acc_dp);
+
+                // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = 16 * warp + lane / 4 + 8 * h;
-                        if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
+                for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-                            for (int n = 0; n < 8; ++n)
-                                *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
-                                    make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
-                        } else {
-                            if (q0 + r >= nq) continue;
-                            float* row = b.dq_acc + (bidx * nq + q0 + r) * p.d + col0 + my_col;
+                    for (int half = 0; half < 2; ++half)
 #pragma unroll
-                            for (int n = 0; n < 8; ++n)
-                                atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                        for (int h = 0; h < 2; ++h) {
+                            const int n = 2 * kk + half;
+                            const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
+                            const float* d = st + 2 * kBwd90Rows + 8 * n + my_col;
+                            acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d[0]);
+                            acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d[1]);
+                        }
+
+                // -- dK += dS^T Q --
+                u32 ds_frag[4][4];
+                pack_frags<T>(acc_dp, ds_frag);
+                const u32 cDS = kDoubleDs ? sDS + s * L::ds_bytes : sDS;
+                if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
+                sm90::fence_operand(acc_dk);
+                sm90::wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
+                sm90::wgmma_commit();
+
+                if (ATOMIC_DQ) {
+                    // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
+                    // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
+                    // its own partial sum: the warpgroups then never wait for each other --
+                    sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
+                    sm90::fence_operand(acc_dv);
+                    sm90::fence_operand(acc_dk);
+                    sm90::fence_async_shared();
+                    if constexpr (BULK_DQ) {
+                        if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
+                    }
+                    if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
+                    else sm90::named_barrier_sync<1, 256>();
+                    if (kOwnKeysDq || HD == 128 || warpgroup == 1) {
+                        float acc_dq[8][4];
+                        const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
+                        const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
+                        // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
+                        // transposed: both MN-major. 64-column block col0 / 64 of K.
+#pragma unroll
+                        for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
+                            sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
+                                                 sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
+                                                 i > 0);
+                        sm90::wgmma_commit();
+                        sm90::wgmma_wait<0>();
+                        sm90::fence_operand(acc_dq);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int r = 16 * warp + lane / 4 + 8 * h;
+                            if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
+#pragma unroll
+                                for (int n = 0; n < 8; ++n)
+                                    *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
+                                        make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                            } else {
+                                if (q0 + r >= nq) continue;
+                                float* row = b.dq_acc + (g.rows + q0 + r) * p.d + col0 + my_col;
+#pragma unroll
+                                for (int n = 0; n < 8; ++n)
+                                    atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                            }
                         }
                     }
-                }
-                if constexpr (BULK_DQ) {
-                    // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
-                    // adds them all. Without kOwnKeysDq its barrier also stands in for barrier 2
-                    // below: both warpgroups' dQ matmuls have read dS^T by now.
-                    sm90::fence_async_shared();
-                    if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
-                    else sm90::named_barrier_sync<3, 256>();
-                    if (tid == dq_issuer) {
-                        const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
-                        sm90::bulk_reduce_add_f32(b.dq_acc + (bidx * nq + q0) * p.d,
-                                                  sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
-                        sm90::bulk_commit();
+                    if constexpr (BULK_DQ) {
+                        // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
+                        // adds them all. Without kOwnKeysDq its barrier also stands in for barrier 2
+                        // below: both warpgroups' dQ matmuls have read dS^T by now.
+                        sm90::fence_async_shared();
+                        if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
+                        else sm90::named_barrier_sync<3, 256>();
+                        if (tid == dq_issuer) {
+                            const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
+                            sm90::bulk_reduce_add_f32(b.dq_acc + (g.rows + q0) * p.d,
+                                                      sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
+                            sm90::bulk_commit();
+                        }
                     }
+                    // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
+                    // buffer (STAGES = 2), and this one is written again two tiles on, after the
+                    // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
+                    // on this buffer has been waited for. Otherwise dS^T is read by both
+                    // warpgroups' dQ matmuls before either writes the next tile's.
+                    if constexpr (!kDoubleDs && !BULK_DQ) sm90::named_barrier_sync<2, 256>();
+                } else {
+                    sm90::wgmma_wait<0>();
                 }
-                // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
-                // buffer (STAGES = 2), and this one is written again two tiles on, after the
-                // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
-                // on this buffer has been waited for. Otherwise dS^T is read by both
-                // warpgroups' dQ matmuls before either writes the next tile's.
-                if constexpr (!kDoubleDs && !BULK_DQ) sm90::named_barrier_sync<2, 256>();
-            } else {
-                sm90::wgmma_wait<0>();
+                sm90::fence_operand(acc_dv);
+                sm90::fence_operand(acc_dk);
+                // The stage is free once this warp is done with it: its wgmma reads are complete
+                // (waited for above) and its lanes' loads of the statistics have been used.
+                __syncwarp();
+                if (lane == 0) sm90::mbarrier_arrive(bar.empty(s));
             }
-            sm90::fence_operand(acc_dv);
-            sm90::fence_operand(acc_dk);
-            // The stage is free once this warp is done with it: its wgmma reads are complete
-            // (waited for above) and its lanes' loads of the statistics have been used.
-            __syncwarp();
-            if (lane == 0) sm90::mbarrier_arrive(bar.empty(s));
-        }
+            if (n_tiles > 0) {
+                ring += n_tiles;
+                ++kv_round;
+            }
 
-        if constexpr (ATOMIC_DQ && BULK_DQ) {
-            if (tid == dq_issuer) sm90::bulk_wait<0>();  // every reduction done before the CTA's memory goes
-        }
-        // -- dK (times scale) and dV, once --
+            // -- dK (times scale) and dV, once --
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;
-            if (key >= nk) continue;
+            for (int h = 0; h < 2; ++h) {
+                const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;
+                if (key >= nk) continue;
 #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                store_pair<T>(b.dk_acc, (bidx * nk + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
-                              scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
-                store_pair<T>(b.dv_acc, (bidx * nk + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
-                              acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
+                for (int n = 0; n < HD / 8; ++n) {
+                    store_pair<T>(b.dk_acc, (g.kv_rows + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
+                                  scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
+                    store_pair<T>(b.dv_acc, (g.kv_rows + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
+                                  acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
+                }
             }
+        }  // items
+        if constexpr (ATOMIC_DQ && BULK_DQ) {
+            // every reduction done before the CTA's memory goes
+            if (tid == (kOwnKeysDq ? 128 * warpgroup : 128)) sm90::bulk_wait<0>();
         }
     }
 }

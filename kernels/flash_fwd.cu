@@ -16,6 +16,7 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "tile_io.cuh"
+#include "slice.cuh"
 
 namespace cuflash {
 
@@ -31,8 +32,10 @@ struct FwdSmemLayout {
 };
 
 // SMEM_BYTES: the dynamic shared memory the launch gives, as cuflash/_config.py computed it.
+// VARLEN: a packed variable-length batch; the CTA walks the query tiles of its sequence that
+// its grid position names (slice.cuh's work items).
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, int QK_UNROLL, bool SPARSE,
-          int SMEM_BYTES>
+          bool VARLEN, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
@@ -53,221 +56,225 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // Causal: the last query tiles see the most keys; launch them first to shorten the tail.
-    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const i64 q0 = (i64)q_tile * BR;
-    const i64 nq = p.nq, nk = p.nk;
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx);
+    const i64 nq = g.nq, nk = g.nk;
+    const T* gQ = static_cast<const T*>(p.q) + g.q;
+    const T* gK = static_cast<const T*>(p.k) + g.k;
+    const T* gV = static_cast<const T*>(p.v) + g.v;
+    const int n_q_tiles = tiles_of(nq, BR);
 
-    const BatchOffsets off = batch_offsets(p, bidx);
-    const T* gQ = static_cast<const T*>(p.q) + off.q;
-    const T* gK = static_cast<const T*>(p.k) + off.k;
-    const T* gV = static_cast<const T*>(p.v) + off.v;
+#pragma unroll 1
+    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
+        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
+        // Causal: the last query tiles see the most keys (item_tile).
+        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+        const i64 q0 = (i64)q_tile * BR;
+        const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
+        const Band band = g.band<CAUSAL>(p);
+        const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC, nk);
+        const int n_tiles = tiles.count;
+        int clean_first, clean_last;  // this warp's key tiles that need no element mask
+        band.clean_key_tiles(q0 + warp * WR, WR, BC, nk, clean_first, clean_last);
 
-    const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
-    const int n_tiles = tiles.count;
-    int clean_first, clean_last;  // this warp's key tiles that need no element mask
-    band.clean_key_tiles(q0 + warp * WR, WR, BC, nk, clean_first, clean_last);
+        // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8 of each
+        // 16-row tile, and columns 2*(lane%4) and 2*(lane%4)+1 of every 8-wide column tile.
+        // Its rows are numbered r = 2*mt + half: query warp_q0 + 16*mt + lane/4 + 8*half.
+        const i64 warp_q0 = q0 + warp * WR;
+        const int my_col = 2 * (lane % 4);
+        const float scale_log2 = (float)p.scale_log2;
 
-    // In the m16n8 accumulator layout a thread holds rows lane/4 and lane/4 + 8 of each
-    // 16-row tile, and columns 2*(lane%4) and 2*(lane%4)+1 of every 8-wide column tile.
-    // Its rows are numbered r = 2*mt + half: query warp_q0 + 16*mt + lane/4 + 8*half.
-    const i64 warp_q0 = q0 + warp * WR;
-    const int my_col = 2 * (lane % 4);
-    const float scale_log2 = (float)p.scale_log2;
-
-    float acc_o[MT][HDV / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < HDV / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][n][e] = 0.f;
-    OnlineSoftmax<2 * MT> softmax;
-    softmax.init();
-
-    if (n_tiles > 0) {
-        load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
-        const i64 k_first = (i64)tiles.tile(0) * BC;
-        load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
-        load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
-        cp_async_commit();
-    }
-
-    for (int t = 0; t < n_tiles; ++t) {
-        // Tile t has landed, and every warp is done with tile t-1, whose buffers we refill.
-        cp_async_wait<0>();
-        __syncthreads();
-        if (t + 1 < n_tiles) {
-            const int stage = (t + 1) & 1;
-            const i64 k_next = (i64)tiles.tile(t + 1) * BC;
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride,
-                                                    k_next, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride,
-                                                     k_next, nk, p.dv, tid);
-        }
-        cp_async_commit();
-        const T* cK = sK + (t & 1) * L::k_elems;
-        const T* cV = sV + (t & 1) * L::v_elems;
-        const int k_tile = tiles.tile(t);
-        const i64 k0 = (i64)k_tile * BC;
-
-        // -- S = Q K^T (raw scores, fp32) --
-        float acc_s[MT][BC / 8][4];
+        float acc_o[MT][HDV / 8][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < BC / 8; ++n)
+            for (int n = 0; n < HDV / 8; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
-        // With one row tile a warp, unrolled fully. With more, unrolled by QK_UNROLL only: a
-        // full unroll lets the compiler hoist every Q fragment of the tile into registers at
-        // once (HD/16 * MT * 4 of them), which spills.
-#pragma unroll(MT == 1 ? HD / 16 : QK_UNROLL)
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 a[MT][4];  // rows lane%16 of each 16-row tile, columns kk*16 + (lane/16)*8
+                for (int e = 0; e < 4; ++e) acc_o[mt][n][e] = 0.f;
+        OnlineSoftmax<2 * MT> softmax;
+        softmax.init();
+
+        if (n_tiles > 0) {
+            load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
+            const i64 k_first = (i64)tiles.tile(0) * BC;
+            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
+            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
+            cp_async_commit();
+        }
+
+        for (int t = 0; t < n_tiles; ++t) {
+            // Tile t has landed, and every warp is done with tile t-1, whose buffers we refill.
+            cp_async_wait<0>();
+            __syncthreads();
+            if (t + 1 < n_tiles) {
+                const int stage = (t + 1) & 1;
+                const i64 k_next = (i64)tiles.tile(t + 1) * BC;
+                load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride,
+                                                        k_next, nk, p.d, tid);
+                load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride,
+                                                         k_next, nk, p.dv, tid);
+            }
+            cp_async_commit();
+            const T* cK = sK + (t & 1) * L::k_elems;
+            const T* cV = sV + (t & 1) * L::v_elems;
+            const int k_tile = tiles.tile(t);
+            const i64 k0 = (i64)k_tile * BC;
+
+            // -- S = Q K^T (raw scores, fp32) --
+            float acc_s[MT][BC / 8][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(a[mt], smem_addr(sQ + (warp * WR + mt * 16 + lane % 16) * L::q_pitch +
-                                             kk * 16 + (lane / 16) * 8));
 #pragma unroll
-            for (int nn = 0; nn < BC / 16; ++nn) {
-                u32 b[4];  // keys nn*16 + lane%8 (+8 for lanes 16..31), dims +8 for odd octets
-                ldmatrix_x4(b, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::k_pitch +
-                                         kk * 16 + ((lane / 8) % 2) * 8));
+                for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(acc_s[mt][2 * nn], a[mt], b[0], b[1]);
-                    mma_16816<T>(acc_s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+                    for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
+            // With one row tile a warp, unrolled fully. With more, unrolled by QK_UNROLL only: a
+            // full unroll lets the compiler hoist every Q fragment of the tile into registers at
+            // once (HD/16 * MT * 4 of them), which spills.
+#pragma unroll(MT == 1 ? HD / 16 : QK_UNROLL)
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                u32 a[MT][4];  // rows lane%16 of each 16-row tile, columns kk*16 + (lane/16)*8
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldmatrix_x4(a[mt], smem_addr(sQ + (warp * WR + mt * 16 + lane % 16) * L::q_pitch +
+                                                 kk * 16 + (lane / 16) * 8));
+#pragma unroll
+                for (int nn = 0; nn < BC / 16; ++nn) {
+                    u32 b[4];  // keys nn*16 + lane%8 (+8 for lanes 16..31), dims +8 for odd octets
+                    ldmatrix_x4(b, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::k_pitch +
+                                             kk * 16 + ((lane / 8) % 2) * 8));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<T>(acc_s[mt][2 * nn], a[mt], b[0], b[1]);
+                        mma_16816<T>(acc_s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
-        }
 
-        // -- mask: only tiles crossing the key end or the band's edges, and partial blocks --
-        if (k_tile < clean_first || k_tile > clean_last) {
-            const TileMask mask(Band::of<CAUSAL>(p), warp_q0, k0, nk);
+            // -- mask: only tiles crossing the key end or the band's edges, and partial blocks --
+            if (k_tile < clean_first || k_tile > clean_last) {
+                const TileMask mask(g.band<CAUSAL>(p), warp_q0, k0, nk);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int n = 0; n < BC / 8; ++n)
+                    for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!mask.allowed(mt * 16 + lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1)))
-                            acc_s[mt][n][e] = neg_inf();
-        }
-        if (tiles.partial(t)) {
+                        for (int e = 0; e < 4; ++e)
+                            if (!mask.allowed(mt * 16 + lane / 4 + 8 * (e / 2), n * 8 + my_col + (e & 1)))
+                                acc_s[mt][n][e] = neg_inf();
+            }
+            if (tiles.partial(t)) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int n = 0; n < BC / 8; ++n)
+                    for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const i64 q = warp_q0 + mt * 16 + lane / 4 + 8 * (e / 2), key = k0 + n * 8 + my_col + (e & 1);
-                        if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][n][e] = neg_inf();
+                        for (int e = 0; e < 4; ++e) {
+                            const i64 q = warp_q0 + mt * 16 + lane / 4 + 8 * (e / 2), key = k0 + n * 8 + my_col + (e & 1);
+                            if (q >= nq || key >= nk || !tiles.block_present(p, q, key)) acc_s[mt][n][e] = neg_inf();
+                        }
+            }
+
+            // -- online softmax: new row max, rescale O and l, P = exp(scale * (S - m)) --
+            // P is packed to 16 bits as m16k16 A fragments: key columns 16kk..16kk+15 come from
+            // accumulator tiles 2kk (a0: row r, a1: row r+8) and 2kk+1 (a2, a3).
+            u32 p_frag[MT][BC / 16][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n) {
+                    tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[mt][n][0], acc_s[mt][n][1]));
+                    tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[mt][n][2], acc_s[mt][n][3]));
+                }
+                float base[2], correction[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    correction[h] = softmax.advance(2 * mt + h, quad_max(tile_max[h]), scale_log2, base[h]);
+#pragma unroll
+                for (int n = 0; n < HDV / 8; ++n) {
+                    acc_o[mt][n][0] *= correction[0];
+                    acc_o[mt][n][1] *= correction[0];
+                    acc_o[mt][n][2] *= correction[1];
+                    acc_o[mt][n][3] *= correction[1];
+                }
+#pragma unroll
+                for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const float* s = acc_s[mt][2 * kk + half];
+                        const float p0 = fast_exp2((s[0] - base[0]) * scale_log2);
+                        const float p1 = fast_exp2((s[1] - base[0]) * scale_log2);
+                        const float p2 = fast_exp2((s[2] - base[1]) * scale_log2);
+                        const float p3 = fast_exp2((s[3] - base[1]) * scale_log2);
+                        softmax.l[2 * mt] += p0 + p1;
+                        softmax.l[2 * mt + 1] += p2 + p3;
+                        p_frag[mt][kk][2 * half] = pack2<T>(p0, p1);
+                        p_frag[mt][kk][2 * half + 1] = pack2<T>(p2, p3);
                     }
-        }
+                }
+            }
 
-        // -- online softmax: new row max, rescale O and l, P = exp(scale * (S - m)) --
-        // P is packed to 16 bits as m16k16 A fragments: key columns 16kk..16kk+15 come from
-        // accumulator tiles 2kk (a0: row r, a1: row r+8) and 2kk+1 (a2, a3).
-        u32 p_frag[MT][BC / 16][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            float tile_max[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-            for (int n = 0; n < BC / 8; ++n) {
-                tile_max[0] = fmaxf(tile_max[0], fmaxf(acc_s[mt][n][0], acc_s[mt][n][1]));
-                tile_max[1] = fmaxf(tile_max[1], fmaxf(acc_s[mt][n][2], acc_s[mt][n][3]));
-            }
-            float base[2], correction[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                correction[h] = softmax.advance(2 * mt + h, quad_max(tile_max[h]), scale_log2, base[h]);
-#pragma unroll
-            for (int n = 0; n < HDV / 8; ++n) {
-                acc_o[mt][n][0] *= correction[0];
-                acc_o[mt][n][1] *= correction[0];
-                acc_o[mt][n][2] *= correction[1];
-                acc_o[mt][n][3] *= correction[1];
-            }
+            // -- O += P V (V read transposed by ldmatrix.trans) --
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk) {
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float* s = acc_s[mt][2 * kk + half];
-                    const float p0 = fast_exp2((s[0] - base[0]) * scale_log2);
-                    const float p1 = fast_exp2((s[1] - base[0]) * scale_log2);
-                    const float p2 = fast_exp2((s[2] - base[1]) * scale_log2);
-                    const float p3 = fast_exp2((s[3] - base[1]) * scale_log2);
-                    softmax.l[2 * mt] += p0 + p1;
-                    softmax.l[2 * mt + 1] += p2 + p3;
-                    p_frag[mt][kk][2 * half] = pack2<T>(p0, p1);
-                    p_frag[mt][kk][2 * half + 1] = pack2<T>(p2, p3);
+                for (int nd = 0; nd < HDV / 16; ++nd) {
+                    u32 b[4];  // keys kk*16 + lane%8 (+8 for odd octets), dims nd*16 (+8, lanes 16..31)
+                    ldmatrix_x4_trans(b, smem_addr(cV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) *
+                                                       L::v_pitch + nd * 16 + (lane / 16) * 8));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<T>(acc_o[mt][2 * nd], p_frag[mt][kk], b[0], b[1]);
+                        mma_16816<T>(acc_o[mt][2 * nd + 1], p_frag[mt][kk], b[2], b[3]);
+                    }
                 }
             }
         }
 
-        // -- O += P V (V read transposed by ldmatrix.trans) --
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-#pragma unroll
-            for (int nd = 0; nd < HDV / 16; ++nd) {
-                u32 b[4];  // keys kk*16 + lane%8 (+8 for odd octets), dims nd*16 (+8, lanes 16..31)
-                ldmatrix_x4_trans(b, smem_addr(cV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) *
-                                                   L::v_pitch + nd * 16 + (lane / 16) * 8));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(acc_o[mt][2 * nd], p_frag[mt][kk], b[0], b[1]);
-                    mma_16816<T>(acc_o[mt][2 * nd + 1], p_frag[mt][kk], b[2], b[3]);
-                }
-            }
-        }
-    }
-
-    // -- epilogue: O /= l, staged through this warp's own Q rows for 16-byte stores --
-    float inv_l[2 * MT];
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) {
-        const float l = quad_sum(softmax.l[r]);
-        softmax.l[r] = l;
-        inv_l[r] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
-    }
-    T* sO = sQ + warp * WR * L::q_pitch;  // only this warp ever read these rows
-    __syncwarp();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < HDV / 8; ++n) {
-            const int col = n * 8 + my_col;
-            *reinterpret_cast<u32*>(sO + (mt * 16 + lane / 4) * L::q_pitch + col) =
-                pack2<T>(acc_o[mt][n][0] * inv_l[2 * mt], acc_o[mt][n][1] * inv_l[2 * mt]);
-            *reinterpret_cast<u32*>(sO + (mt * 16 + lane / 4 + 8) * L::q_pitch + col) =
-                pack2<T>(acc_o[mt][n][2] * inv_l[2 * mt + 1], acc_o[mt][n][3] * inv_l[2 * mt + 1]);
-        }
-    __syncwarp();
-    T* gO = static_cast<T*>(p.o) + bidx * nq * p.dv;
-    constexpr int O_CHUNKS = HDV / 8;
-#pragma unroll
-    for (int i = lane; i < WR * O_CHUNKS; i += 32) {
-        const int r = i / O_CHUNKS, c = i % O_CHUNKS;
-        const i64 q = warp_q0 + r;
-        if (q < nq && c * 8 < p.dv)
-            *reinterpret_cast<uint4*>(gO + q * p.dv + c * 8) =
-                *reinterpret_cast<const uint4*>(sO + r * L::q_pitch + c * 8);
-    }
-    if (lane % 4 == 0) {
+        // -- epilogue: O /= l, staged through this warp's own Q rows for 16-byte stores --
+        float inv_l[2 * MT];
 #pragma unroll
         for (int r = 0; r < 2 * MT; ++r) {
-            const i64 q = warp_q0 + (r / 2) * 16 + lane / 4 + 8 * (r % 2);
-            if (q < nq) {
-                p.l[bidx * nq + q] = softmax.l[r];
-                const float m = softmax.m[r];
-                p.m[bidx * nq + q] = (m == neg_inf()) ? m : m * (float)p.scale;
+            const float l = quad_sum(softmax.l[r]);
+            softmax.l[r] = l;
+            inv_l[r] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
+        }
+        T* sO = sQ + warp * WR * L::q_pitch;  // only this warp ever read these rows
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < HDV / 8; ++n) {
+                const int col = n * 8 + my_col;
+                *reinterpret_cast<u32*>(sO + (mt * 16 + lane / 4) * L::q_pitch + col) =
+                    pack2<T>(acc_o[mt][n][0] * inv_l[2 * mt], acc_o[mt][n][1] * inv_l[2 * mt]);
+                *reinterpret_cast<u32*>(sO + (mt * 16 + lane / 4 + 8) * L::q_pitch + col) =
+                    pack2<T>(acc_o[mt][n][2] * inv_l[2 * mt + 1], acc_o[mt][n][3] * inv_l[2 * mt + 1]);
+            }
+        __syncwarp();
+        T* gO = static_cast<T*>(p.o) + g.rows * p.dv;
+        constexpr int O_CHUNKS = HDV / 8;
+#pragma unroll
+        for (int i = lane; i < WR * O_CHUNKS; i += 32) {
+            const int r = i / O_CHUNKS, c = i % O_CHUNKS;
+            const i64 q = warp_q0 + r;
+            if (q < nq && c * 8 < p.dv)
+                *reinterpret_cast<uint4*>(gO + q * p.dv + c * 8) =
+                    *reinterpret_cast<const uint4*>(sO + r * L::q_pitch + c * 8);
+        }
+        if (lane % 4 == 0) {
+#pragma unroll
+            for (int r = 0; r < 2 * MT; ++r) {
+                const i64 q = warp_q0 + (r / 2) * 16 + lane / 4 + 8 * (r % 2);
+                if (q < nq) {
+                    p.l[g.rows + q] = softmax.l[r];
+                    const float m = softmax.m[r];
+                    p.m[g.rows + q] = (m == neg_inf()) ? m : m * (float)p.scale;
+                }
             }
         }
-    }
+    }  // items
 }
 
 }  // namespace cuflash

@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
+#include "slice.cuh"
 
 namespace cuflash {
 
@@ -36,8 +37,9 @@ __device__ __forceinline__ void load_tile_f32(float* smem, const float* gmem, i6
     }
 }
 
-// DVT: O columns per lane (ceil(dv / 32)); the key tile is the warp width, 32.
-template <int DVT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE>
+// DVT: O columns per lane (ceil(dv / 32)); the key tile is the warp width, 32. VARLEN: the CTA
+// walks the query tiles of its sequence that its grid position names (slice.cuh).
+template <int DVT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE, bool VARLEN>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, BC = 32, VP = DVT * 32;
@@ -50,76 +52,82 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
 
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const i64 q0 = (i64)q_tile * BR, nq = p.nq, nk = p.nk;
-    const BatchOffsets off = batch_offsets(p, bidx);
-    const float* gQ = static_cast<const float*>(p.q) + off.q;
-    const float* gK = static_cast<const float*>(p.k) + off.k;
-    const float* gV = static_cast<const float*>(p.v) + off.v;
-    const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
-    const Band band = Band::of<CAUSAL>(p);
-    const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC);
-    const int n_tiles = tiles.count;
-    const float scale_log2 = (float)p.scale_log2;
+    const SliceGeometry g = slice_geometry<VARLEN>(p, bidx);
+    const i64 nq = g.nq, nk = g.nk;
+    const float* gQ = static_cast<const float*>(p.q) + g.q;
+    const float* gK = static_cast<const float*>(p.k) + g.k;
+    const float* gV = static_cast<const float*>(p.v) + g.v;
+    const Band band = g.band<CAUSAL>(p);
+    const int n_q_tiles = tiles_of(nq, BR);
+#pragma unroll 1
+    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
+        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
+        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+        const i64 q0 = (i64)q_tile * BR;
+        const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
+        const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC, nk);
+        const int n_tiles = tiles.count;
+        const float scale_log2 = (float)p.scale_log2;
 
-    load_tile_f32<NT>(sQ, gQ, p.q_row_stride, q0, nq, BR, d, d, d, tid);
-    float acc[RPW][DVT];
+        load_tile_f32<NT>(sQ, gQ, p.q_row_stride, q0, nq, BR, d, d, d, tid);
+        float acc[RPW][DVT];
 #pragma unroll
-    for (int i = 0; i < RPW; ++i)
+        for (int i = 0; i < RPW; ++i)
 #pragma unroll
-        for (int t = 0; t < DVT; ++t) acc[i][t] = 0.f;
-    OnlineSoftmax<RPW> softmax;
-    softmax.init();
+            for (int t = 0; t < DVT; ++t) acc[i][t] = 0.f;
+        OnlineSoftmax<RPW> softmax;
+        softmax.init();
 
-    for (int t = 0; t < n_tiles; ++t) {
-        const i64 k0 = (i64)tiles.tile(t) * BC;
-        __syncthreads();  // every warp is done with the previous tile
-        load_tile_f32<NT>(sK, gK, p.k_row_stride, k0, nk, BC, d, d, k_pitch, tid);
-        load_tile_f32<NT>(sV, gV, p.v_row_stride, k0, nk, BC, VP, dv, VP, tid);
-        __syncthreads();
-        const i64 key = k0 + lane;
+        for (int t = 0; t < n_tiles; ++t) {
+            const i64 k0 = (i64)tiles.tile(t) * BC;
+            __syncthreads();  // every warp is done with the previous tile
+            load_tile_f32<NT>(sK, gK, p.k_row_stride, k0, nk, BC, d, d, k_pitch, tid);
+            load_tile_f32<NT>(sV, gV, p.v_row_stride, k0, nk, BC, VP, dv, VP, tid);
+            __syncthreads();
+            const i64 key = k0 + lane;
 #pragma unroll
-        for (int i = 0; i < RPW; ++i) {
-            const int row = warp * RPW + i;
-            // -- s = q . k for this lane's key --
-            float s = 0.f;
-            for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * k_pitch + c], s);
-            if (!pair_allowed(p, band, tiles, tiles.partial(t), q0 + row, key)) s = neg_inf();
-            // -- online softmax --
-            float base;
-            const float correction = softmax.advance(i, warp_max(s), scale_log2, base);
-            const float pj = fast_exp2((s - base) * scale_log2);
-            softmax.l[i] += pj;
+            for (int i = 0; i < RPW; ++i) {
+                const int row = warp * RPW + i;
+                // -- s = q . k for this lane's key --
+                float s = 0.f;
+                for (int c = 0; c < d; ++c) s = fmaf(sQ[row * d + c], sK[lane * k_pitch + c], s);
+                if (!pair_allowed(p, band, tiles, tiles.partial(t), q0 + row, key, nq, nk)) s = neg_inf();
+                // -- online softmax --
+                float base;
+                const float correction = softmax.advance(i, warp_max(s), scale_log2, base);
+                const float pj = fast_exp2((s - base) * scale_log2);
+                softmax.l[i] += pj;
 #pragma unroll
-            for (int u = 0; u < DVT; ++u) acc[i][u] *= correction;
-            // -- o += p v --
-            for (int j = 0; j < BC; ++j) {
-                const float pb = __shfl_sync(0xffffffffu, pj, j);
+                for (int u = 0; u < DVT; ++u) acc[i][u] *= correction;
+                // -- o += p v --
+                for (int j = 0; j < BC; ++j) {
+                    const float pb = __shfl_sync(0xffffffffu, pj, j);
 #pragma unroll
-                for (int u = 0; u < DVT; ++u) acc[i][u] = fmaf(pb, sV[j * VP + lane + 32 * u], acc[i][u]);
+                    for (int u = 0; u < DVT; ++u) acc[i][u] = fmaf(pb, sV[j * VP + lane + 32 * u], acc[i][u]);
+                }
             }
         }
-    }
 
-    float* gO = static_cast<float*>(p.o) + bidx * nq * dv;
+        float* gO = static_cast<float*>(p.o) + g.rows * dv;
 #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-        const i64 q = q0 + warp * RPW + i;
-        const float l = warp_sum(softmax.l[i]);
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        if (q >= nq) continue;
+        for (int i = 0; i < RPW; ++i) {
+            const i64 q = q0 + warp * RPW + i;
+            const float l = warp_sum(softmax.l[i]);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            if (q >= nq) continue;
 #pragma unroll
-        for (int u = 0; u < DVT; ++u) {
-            const int c = lane + 32 * u;
-            if (c < dv) gO[q * dv + c] = acc[i][u] * inv_l;
+            for (int u = 0; u < DVT; ++u) {
+                const int c = lane + 32 * u;
+                if (c < dv) gO[q * dv + c] = acc[i][u] * inv_l;
+            }
+            if (lane == 0) {
+                p.l[g.rows + q] = l;
+                const float m = softmax.m[i];
+                p.m[g.rows + q] = (m == neg_inf()) ? m : m * (float)p.scale;
+            }
         }
-        if (lane == 0) {
-            p.l[bidx * nq + q] = l;
-            const float m = softmax.m[i];
-            p.m[bidx * nq + q] = (m == neg_inf()) ? m : m * (float)p.scale;
-        }
-    }
+    }  // items
 }
 
 }  // namespace cuflash

@@ -21,6 +21,7 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "sm90.cuh"
+#include "slice.cuh"
 
 namespace cuflash {
 
@@ -82,11 +83,20 @@ struct Sm90Work {
 };
 
 // The work items of this CTA, in order: item i of `next`. Without PERSISTENT, the one its
-// grid position names (causal: last query tiles first, they see the most keys). With, items
-// blockIdx.x, blockIdx.x + gridDim.x, ... of all n_q_tiles * num_batch: slices outermost so
-// that neighbouring CTAs share K and V in L2, or (causal) longest query tiles first.
-template <bool CAUSAL, bool PERSISTENT>
+// grid position names (causal: last query tiles first, they see the most keys), or with
+// VARLEN the query tiles of its sequence that slice.cuh's item loop gives it (n_q_tiles: the
+// sequence's). With PERSISTENT (never VARLEN), items blockIdx.x, blockIdx.x + gridDim.x, ...
+// of all n_q_tiles * num_batch: slices outermost so that neighbouring CTAs share K and V in
+// L2, or (causal) longest query tiles first.
+template <bool CAUSAL, bool PERSISTENT, bool VARLEN>
 __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32 i, Sm90Work& w) {
+    static_assert(!(PERSISTENT && VARLEN), "a varlen launch runs one slice a CTA");
+    if (VARLEN) {
+        const int item = first_item<true>() + (int)i * item_step<true>();
+        w.bidx = flat_batch_index();
+        w.q_tile = item_tile<true, CAUSAL>(item, n_q_tiles);
+        return item < n_q_tiles && w.bidx < p.num_batch;
+    }
     if (!PERSISTENT) {
         w.bidx = flat_batch_index();
         w.q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
@@ -123,6 +133,7 @@ struct Sm90Consumer {
     i64 warp_q0;
     int clean_first, clean_last;  // this warp's key tiles that need no element mask
     float scale_log2;
+    i64 nk;  // the slice's keys
 
     // Ping-pong (PINGPONG): the two consumer warpgroups take turns issuing their matmuls, so
     // that one's softmax runs while the other's wgmmas occupy the tensor cores. Warpgroup w
@@ -186,7 +197,7 @@ struct Sm90Consumer {
         const int k_tile = tiles.tile(t);
         const i64 k0 = (i64)k_tile * BC;
         if (k_tile < clean_first || k_tile > clean_last) {
-            const TileMask mask(band, warp_q0, k0, p.nk);
+            const TileMask mask(band, warp_q0, k0, nk);
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
@@ -252,9 +263,9 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // gaps).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
           bool SPARSE>
-__device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARSE>& tiles, const Band& band,
-                                        i64 bidx, i64 q0, int tid, u32 sQ, u32 sK, u32 sV, Sm90Barriers<STAGES> bar,
-                                        Sm90Ring ring) {
+__device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry& g, const TileList<SPARSE>& tiles,
+                                        const Band& band, i64 q0, int tid, u32 sQ, u32 sK, u32 sV,
+                                        Sm90Barriers<STAGES> bar, Sm90Ring ring) {
     const int n_tiles = tiles.count;
     const int warpgroup = tid / 128, ct = tid % 128, warp = ct / 32;
     Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar, ring};
@@ -264,7 +275,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     c.my_col = 2 * (c.lane % 4);
     c.warp_q0 = q0 + c.row0 + 16 * warp;
     c.scale_log2 = (float)p.scale_log2;
-    band.clean_key_tiles(c.warp_q0, 16, BC, p.nk, c.clean_first, c.clean_last);
+    c.nk = g.nk;
+    band.clean_key_tiles(c.warp_q0, 16, BC, g.nk, c.clean_first, c.clean_last);
 
     float acc_o[HD / 8][4];
 #pragma unroll
@@ -332,7 +344,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
     }
 
     // -- epilogue: O /= l, l and m in flash_fwd.cu's format --
-    const i64 nq = p.nq;
+    const i64 nq = g.nq;
     float inv_l[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -340,7 +352,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
         softmax.l[h] = l;
         inv_l[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
     }
-    T* gO = static_cast<T*>(p.o) + bidx * nq * p.dv;
+    T* gO = static_cast<T*>(p.o) + g.rows * p.dv;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const i64 q = c.warp_q0 + c.lane / 4 + 8 * h;
@@ -353,15 +365,19 @@ __device__ __forceinline__ void consume(const FwdParams& p, const TileList<SPARS
                     pack2<T>(acc_o[n][2 * h] * inv_l[h], acc_o[n][2 * h + 1] * inv_l[h]);
         }
         if (c.lane % 4 == 0) {
-            p.l[bidx * nq + q] = softmax.l[h];
+            p.l[g.rows + q] = softmax.l[h];
             const float m = softmax.m[h];
-            p.m[bidx * nq + q] = (m == neg_inf()) ? m : m * (float)p.scale;
+            p.m[g.rows + q] = (m == neg_inf()) ? m : m * (float)p.scale;
         }
     }
 }
 
+// VARLEN: a packed variable-length batch (slice.cuh), one sequence and head a CTA, walking
+// the query tiles of its sequence that its grid position names. The tensor maps span every
+// packed row of a head: rows past the sequence's end are loaded but masked as keys (the
+// sequence's nk) and never stored as queries (its nq).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE, int SMEM_BYTES>
+          bool SPARSE, bool VARLEN, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
     using L = Sm90SmemLayout<HD, BC, STAGES>;
@@ -393,36 +409,38 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     }
     __syncthreads();
 
-    const i64 nq = p.nq, nk = p.nk;
-    const int n_q_tiles = (int)((nq + kSm90Rows - 1) / kSm90Rows);
-    const Band band = Band::of<CAUSAL>(p);
+    // Without PERSISTENT the CTA's slice is fixed: its geometry is read once.
+    const SliceGeometry g_cta = slice_geometry<VARLEN>(p, PERSISTENT ? 0 : flat_batch_index());
+    const int n_q_tiles = tiles_of(g_cta.nq, kSm90Rows);
     Sm90Ring ring{0, 0};  // both sides walk the same items and count the same tiles
     Sm90Work w;
     if (warpgroup == 0) {
         // ---- producer: per item, Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, i, w); ++i) {
+            const SliceGeometry g = VARLEN ? g_cta : slice_geometry<false>(p, w.bidx);
+            const i64 nq = g.nq, nk = g.nk;
+            const Band band = g.band<CAUSAL>(p);
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
-            const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
+            const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC, nk);
             const int n_tiles = tiles.count;
             if (n_tiles == 0) continue;  // the consumers write this item without any load
-            const BatchOffsets off = batch_offsets(p, w.bidx);
             // Q's buffer is free once both consumers have finished the previous item's tiles.
             if (ring.q_round > 0) sm90::mbarrier_wait(bar.q_empty(), (ring.q_round - 1) & 1);
             if (TMA) {
                 // One thread issues every copy: a box per 64 columns, each completing on the
                 // tile's barrier with its byte count.
                 if (tid == 0) {
-                    const int zq = (int)(off.q / maps.q_slice), zk = (int)(off.k / maps.k_slice);
-                    const int zv = (int)(off.v / maps.v_slice);
+                    const int zq = (int)(g.q_head / maps.q_slice), zk = (int)(g.k_head / maps.k_slice);
+                    const int zv = (int)(g.v_head / maps.v_slice);
                     sm90::mbarrier_expect_tx(bar.q_full(), (u32)L::q_bytes);
-                    sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)q0, zq, bar.q_full());
+                    sm90::tma_load_tile<kSm90Rows, HD>(sQ, &maps.q, (int)(g.q_start + q0), zq, bar.q_full());
                     for (int t = 0; t < n_tiles; ++t) {
                         const int s = ring.stage(t, STAGES);
                         const u32 reuse_parity = ring.phase(t, STAGES) ^ 1;  // the previous lap's release
                         const bool reused = ring.first_tile + t >= STAGES;
-                        const int k0 = tiles.tile(t) * BC;
+                        const int k0 = (int)g.k_start + tiles.tile(t) * BC;  // a row of the map
                         if (reused) sm90::mbarrier_wait(bar.k_empty(s), reuse_parity);
                         sm90::mbarrier_expect_tx(bar.k_full(s), (u32)L::k_bytes);
                         sm90::tma_load_tile<BC, HD>(sK + s * L::k_bytes, &maps.k, k0, zk, bar.k_full(s));
@@ -432,9 +450,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     }
                 }
             } else {
-                const T* gQ = static_cast<const T*>(p.q) + off.q;
-                const T* gK = static_cast<const T*>(p.k) + off.k;
-                const T* gV = static_cast<const T*>(p.v) + off.v;
+                const T* gQ = static_cast<const T*>(p.q) + g.q;
+                const T* gK = static_cast<const T*>(p.k) + g.k;
+                const T* gV = static_cast<const T*>(p.v) + g.v;
                 // Every copy completes on an mbarrier by itself (arrive.noinc), so the producer
                 // never waits for its own loads, only for buffers to free up: it runs up to
                 // STAGES tiles ahead of the consumers.
@@ -459,12 +477,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         if (!TMA) cp_async_wait<0>();  // nothing may be in flight when the thread exits
     } else {
         sm90::claim_registers<kConsumerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, i, w); ++i) {
+            const SliceGeometry g = VARLEN ? g_cta : slice_geometry<false>(p, w.bidx);
+            const Band band = g.band<CAUSAL>(p);
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
-            const i64 q_end = q0 + kSm90Rows < nq ? q0 + kSm90Rows : nq;
-            const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC);
+            const i64 q_end = q0 + kSm90Rows < g.nq ? q0 + kSm90Rows : g.nq;
+            const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC, g.nk);
             consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE>(
-                p, tiles, band, w.bidx, q0, tid, sQ, sK, sV, bar, ring);
+                p, g, tiles, band, q0, item_thread_index<VARLEN>(), sQ, sK, sV, bar, ring);
             if (tiles.count > 0) {
                 ring.first_tile += tiles.count;
                 ++ring.q_round;

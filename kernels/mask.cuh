@@ -23,14 +23,19 @@ constexpr i64 kUnbounded = (i64)1 << 40;  // farther than any sequence
 struct Band {
     i64 shift, lo, hi;
 
+    // The band of a slice of nq queries and nk keys (a varlen launch: one sequence's).
     template <bool CAUSAL>
-    __device__ __forceinline__ static Band of(const FwdParams& p) {
+    __device__ __forceinline__ static Band of(const FwdParams& p, i64 nq, i64 nk) {
         Band b;
-        b.shift = p.nk - p.nq;
+        b.shift = nk - nq;
         b.lo = p.window_left < 0 ? -kUnbounded : -p.window_left;
         b.hi = p.window_right < 0 ? kUnbounded : p.window_right;
         if (CAUSAL && b.hi > 0) b.hi = 0;
         return b;
+    }
+    template <bool CAUSAL>
+    __device__ __forceinline__ static Band of(const FwdParams& p) {
+        return of<CAUSAL>(p, p.nq, p.nk);
     }
     // Keys [first, end) that any query of [q0, q_end) may see (before the key end nk).
     __device__ __forceinline__ void keys_of(i64 q0, i64 q_end, i64 nk, i64& first, i64& end) const {
@@ -152,19 +157,19 @@ struct TileList {
 };
 
 // The key tiles (of bc keys) a CTA of queries [q0, q_end) visits, and the query tiles (of br
-// queries) a CTA of keys [k0, k0 + bc) visits.
+// queries) a CTA of keys [k0, k0 + bc) visits, in a slice of nq queries and nk keys.
 template <bool SPARSE>
 __device__ __forceinline__ TileList<SPARSE> key_tiles(const FwdParams& p, const Band& band, i64 bidx, int outer,
-                                                      i64 q0, i64 q_end, int bc) {
+                                                      i64 q0, i64 q_end, int bc, i64 nk) {
     i64 first, end;
-    band.keys_of(q0, q_end, p.nk, first, end);
+    band.keys_of(q0, q_end, nk, first, end);
     return TileList<SPARSE>::make(p, bidx, outer, first, end, bc);
 }
 template <bool SPARSE>
 __device__ __forceinline__ TileList<SPARSE> query_tiles(const FwdParams& p, const Band& band, i64 bidx, int outer,
-                                                        i64 k0, int bc, int br) {
+                                                        i64 k0, int bc, int br, i64 nq, i64 nk) {
     i64 first, end;
-    band.queries_of(k0, k0 + bc < p.nk ? k0 + bc : p.nk, p.nq, first, end);
+    band.queries_of(k0, k0 + bc < nk ? k0 + bc : nk, nq, first, end);
     return TileList<SPARSE>::make(p, bidx, outer, first, end, br);
 }
 
@@ -198,11 +203,12 @@ __device__ __forceinline__ bool kept(unsigned long long keep, int mt, int n, int
     return (keep >> ((mt * NT + n) * 4 + e)) & 1ull;
 }
 
-// The whole test for one pair, for kernels that check every pair (the float32 ones).
+// The whole test for one pair of a slice of nq queries and nk keys, for kernels that check
+// every pair (the float32 ones).
 template <bool SPARSE>
 __device__ __forceinline__ bool pair_allowed(const FwdParams& p, const Band& band, const TileList<SPARSE>& tiles,
-                                             bool partial, i64 q, i64 k) {
-    if (q >= p.nq || k >= p.nk || !band.allows(q, k)) return false;
+                                             bool partial, i64 q, i64 k, i64 nq, i64 nk) {
+    if (q >= nq || k >= nk || !band.allows(q, k)) return false;
     return !partial || tiles.block_present(p, q, k);
 }
 

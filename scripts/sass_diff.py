@@ -23,9 +23,9 @@ verdict, and one whose two base builds happened to agree can still show as 'diff
 The variants compared are the dispatcher's, HEAD's ``cuflash._config``, each built from its own
 side's name expression and compile options (``_loader.base_options()``, the defines Python
 passes to the kernels included). A HEAD variant is paired with the BASE variant of the same
-class and the same values of the fields both sides have; a field only BASE has must be at its
-default there (a deleted switch compares as off), a field only HEAD has leaves the variant
-unpaired ('new', no verdict). So keys, name expressions and template parameters may change,
+class and the same values of the fields both sides have; a field only one side has must be at
+its default there: a deleted switch compares as off, and a new switch's default forms compare
+with the variants they replace (its other forms are 'new', no verdict). So keys, name expressions and template parameters may change,
 and a deleted switch can be shown to leave every default form as it was. Exits 0 when every
 variant compared is identical, 1 otherwise.
 """
@@ -140,7 +140,9 @@ def pair_variants(base: list, head: list) -> list:
     pairs = []
     for h in head:
         shared = common.get(h["cls"])
-        paired = index.get(identity(h, shared)) if shared == head_fields[h["cls"]] else None
+        added = head_fields[h["cls"]] - (shared or set())
+        at_default = all(name in h["defaults"] and h["fields"][name] == h["defaults"][name] for name in added)
+        paired = index.get(identity(h, shared)) if shared is not None and at_default else None
         pairs.append((h["source"], paired, h["expr"]))
     return pairs
 

@@ -83,7 +83,8 @@ def _described(cls, source="k.cu", defaults=None, **fields):
 
 def test_pairs_follow_fields_not_names(sass_diff):
     """A renamed key or expression pairs by its fields; a deleted switch pairs only where it
-    was off (at its default); a variant with a new field, or a new class, has no pair."""
+    was off (at its default), a new switch likewise; a variant with a new field that has no
+    default, or a new class, has no pair."""
     base = [_described("Fwd", d=64, causal=False, snake=False, defaults={"snake": False}),
             _described("Fwd", d=64, causal=True, snake=True, defaults={"snake": False}),
             _described("Fwd", d=64, causal=True, snake=False, defaults={"snake": False}),
@@ -94,6 +95,10 @@ def test_pairs_follow_fields_not_names(sass_diff):
     pairs = sass_diff.pair_variants(base, head)
     assert pairs == [("k.cu", base[0]["expr"], "renamed<64>"), ("k.cu", base[2]["expr"], head[1]["expr"]),
                      ("k.cu", None, head[2]["expr"]), ("k.cu", None, head[3]["expr"])]
+    switched = [_described("Bwd", d=64, varlen=False, defaults={"varlen": False}),
+                _described("Bwd", d=64, varlen=True, defaults={"varlen": False})]
+    assert sass_diff.pair_variants(base, switched) == [("k.cu", base[3]["expr"], switched[0]["expr"]),
+                                                       ("k.cu", None, switched[1]["expr"])]
 
 
 def test_describe_tree_lists_this_checkouts_variants(sass_diff):

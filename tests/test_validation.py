@@ -213,7 +213,10 @@ def test_param_formats_match_the_header():
     assert _plan.BWD_PARAM_FORMAT[1:] == header_field_kinds("BwdParams")
     # A dense launch: window (-1, -1), then null lists and zero sizes / strides.
     assert _plan.DENSE_SPARSITY == (-1, -1) + (0,) * 13
-    assert len(_plan.DENSE_SPARSITY) == len(header_field_kinds("FwdParams").split("dd", 1)[1])
+    # ... and the varlen fields last: two pointers (cu_seqlens_q, cu_seqlens_k) and num_seqs.
+    after_scale = header_field_kinds("FwdParams").split("dd", 1)[1]
+    assert len(_plan.DENSE_SPARSITY) == len(after_scale) - 3 and after_scale.endswith("QQq")
+    assert _plan.CU_SEQLENS_WORD == len(header_field_kinds("FwdParams")) - 3
 
 
 # ---- block masks and windows ---------------------------------------------------------------

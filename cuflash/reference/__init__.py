@@ -62,6 +62,9 @@ Functions
   it in float16 / bfloat16 / float32; its error against the float64 reference
   sets the error budget of the kernels.
 * :func:`round_to` -- round values to float16 / bfloat16 / float32.
+* :func:`varlen_attention`, :func:`varlen_attention_backward` -- packed
+  variable-length batches (``cu_seqlens``), one sequence at a time on the
+  functions above; :func:`sequence_rows` is the boundaries' clamping rule.
 
 Where things are: :mod:`.dense` (standard attention, its backward, the shared front end),
 :mod:`.broadcasting`, :mod:`.tiled` (Algorithms 1 and 4), :mod:`.block_sparse` (Algorithm 5,
@@ -73,6 +76,7 @@ from .broadcasting import BroadcastPlan, broadcast_plan, expand_kv
 from .dense import ReferenceOutput, allowed_keys, standard_attention, standard_attention_backward
 from .low_precision import lowp_attention, lowp_attention_backward, round_to
 from .tiled import flash_backward_tiled, flash_forward_tiled
+from .varlen import covered_rows, sequence_rows, varlen_attention, varlen_attention_backward
 
 __all__ = [
     "ReferenceOutput",
@@ -90,4 +94,8 @@ __all__ = [
     "round_to",
     "lowp_attention",
     "lowp_attention_backward",
+    "sequence_rows",
+    "covered_rows",
+    "varlen_attention",
+    "varlen_attention_backward",
 ]
