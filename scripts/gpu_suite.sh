@@ -8,8 +8,8 @@
 # test running past TEST_TIMEOUT (180 s) fails by name instead. The tests stage runs the tests
 # marked with TEST_MARKERS (default "not nvrtc": the NVRTC builds of every variant need no GPU
 # and run in CI, and on the device they compete with the GPU tests for the CPU; TEST_MARKERS=""
-# runs everything). TEST_PATHS (default "tests") narrows the tests to files or node ids, for a
-# session whose device time cannot hold the whole suite. PYTEST_WORKERS (default 12) sets the
+# runs everything). TEST_LIST, a file of test node ids (one a line), narrows the tests to
+# those, for a session whose device time cannot hold the whole suite. PYTEST_WORKERS (default 12) sets the
 # test processes; BENCH_ARGS is added to the cuflash-bench command line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +38,10 @@ for stage in $stages; do
       [[ " $stages " == *" bench "* ]] && budget=$(left "$bench_share")
       extra=()
       [ -n "$markers" ] && extra+=(-m "$markers")
+      targets=(tests)
+      [ -n "${TEST_LIST:-}" ] && mapfile -t targets < "$TEST_LIST"
       python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${TEST_TIMEOUT:-180}")
-      timeout --kill-after=10 "$budget" python3 -m pytest ${TEST_PATHS:-tests} -v -rs -p no:cacheprovider \
+      timeout --kill-after=10 "$budget" python3 -m pytest "${targets[@]}" -v -rs -p no:cacheprovider \
         -n "${PYTEST_WORKERS:-12}" "${extra[@]}" 2>&1 | tee "$OUT/tests.log" >/dev/null
       rc=${PIPESTATUS[0]}
       if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
