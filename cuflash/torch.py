@@ -61,8 +61,10 @@ def _forward_impl(q, k, v, causal, scale, mask, window):
     return _forward_with_plan(q, k, v, causal, scale, mask, window)[:3]
 
 
-def _forward_with_plan(q, k, v, causal, scale, mask, window):
-    """o, l, m and the forward's plan, whose ``backward_plans`` the eager backward uses."""
+def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
+    """o, l, m and the forward's plan, whose ``backward_plans`` the eager backward uses. With
+    ``route`` (a call autograd does not record) a few queries a head against many keys take the
+    split-KV decoding kernels, as cuflash.attention routes them (_decode.routes_short_queries)."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device, k.device, v.device, causal, scale, mask, window, _config.GENERATION[0])
     plan = _forward_calls.get(key)
@@ -72,7 +74,10 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window):
         plan = _plan.forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
                                   dtype, device.index, causal, scale, mask, window,
                                   (q.data_ptr(), k.data_ptr(), v.data_ptr()))
+        plan.decode = _routes_short_queries(q, k, v, mask, plan)
         _plan.remember(_forward_calls, key, plan)
+    if route and plan.decode:
+        return (*_decode_impl(q, k, v, causal, scale, window), plan)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
@@ -80,6 +85,17 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window):
     plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
              _raw_stream(device.index))
     return o, l, m, plan
+
+
+def _routes_short_queries(q, k, v, mask, plan) -> bool:
+    """The CuPy front end's routing rule, asked once per signature on zero-copy views."""
+    if plan.kernel is None:
+        return False
+    import cupy
+
+    with cupy.cuda.Device(q.device.index):
+        views = [_views.torch_view(t, same_stream=True) for t in (q, k, v)]
+    return _decode.routes_short_queries(*views, mask)
 
 
 # ---- packed variable-length batches ------------------------------------------------------
@@ -428,7 +444,10 @@ def attention(
         return_stats: also return the float32 softmax statistics.
         page_table, seqlens_k, num_splits: decoding against a KV cache (paged, or dense with
             per-sequence lengths) on the split-KV kernels, forward only, as in
-            :func:`cuflash.attention`; capturable in a CUDA graph with fixed buffers.
+            :func:`cuflash.attention`; capturable in a CUDA graph with fixed buffers. Without
+            them, a call that autograd does not record and that has 1-16 queries a head against
+            at least ``cuflash._api.DECODE_MIN_KEYS`` keys (16-bit, head dims up to 128, no
+            block mask) runs on the same kernels, as :func:`cuflash.attention` routes it.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch,
             as in :func:`cuflash.attention` (and flash_attn_varlen_func): q (Hq, total_q, d),
             k / v (Hk, total_k, d / dv), e.g. ``x.transpose(0, 1)`` of a (total, H, d) tensor;
@@ -475,7 +494,7 @@ def attention(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, l, m = _EagerAttention.apply(q, k, v, causal, scale, mask, window)
     else:
-        o, l, m = _forward_impl(q, k, v, causal, scale, mask, window)
+        o, l, m = _forward_with_plan(q, k, v, causal, scale, mask, window, route=True)[:3]
     return AttentionOutput(o, l, m) if return_stats else o
 
 

@@ -427,3 +427,28 @@ def test_compile_passes_the_mask_as_a_token():
     assert len(graphs["forward"]) == 2
     with pytest.raises(TypeError, match="boolean array"):
         ct.attention(q, k, k, block_mask="not a mask")
+
+
+@gpu
+@pytest.mark.parametrize("grad", (False, True))
+def test_short_queries_take_the_split_kv_path_without_autograd(grad):
+    """Outside autograd, 1-16 queries a head against at least _api.DECODE_MIN_KEYS keys run on
+    the split-KV decoding kernels, as cuflash.attention routes them; a call autograd records
+    keeps the forward (its backward needs nothing else, but the route is decided per path).
+    Both give the reference's o, l and m."""
+    from cuflash import _api
+    from gpu_util import launched_variants
+
+    nk = 2 * _api.DECODE_MIN_KEYS + 17
+    q = torch.randn(2, 8, 3, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+    k, v = (torch.randn(2, 2, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with launched_variants() as launched:
+        o, l, m = ct.attention(q, k, v, causal=True, return_stats=True)
+    expected = "fwd" if grad else "decode"
+    assert launched and launched[0].key.startswith(expected + "_"), [x.key for x in launched]
+    exact = ref.standard_attention(host64(q), host64(k), host64(v), causal=True)
+    lowp = sdpa_math_lowp(q.detach(), k, v, True)
+    bound = 2 * max_err(lowp, torch.from_numpy(exact.o).to(lowp.device)) + 1e-6
+    assert max_err(o, torch.from_numpy(exact.o).to(o.device)) <= bound
+    np.testing.assert_allclose(host64(m), exact.m, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(host64(l), exact.l, rtol=1e-4)
