@@ -6,10 +6,13 @@ sequence, every sequence the same length, for each (batch, KV length) case, each
 (32 query heads over 8 k/v heads, GQA, and over 1, MQA) and head dim; random normal inputs in
 the benchmark dtype. Each case runs with the cache
 
-- ``dense``: k, v of shape (batch, Hk, N, d): ``cuflash.attention(q, k, v)``;
+- ``dense``: k, v of shape (batch, Hk, N, d): ``cuflash.torch.attention(q, k, v)`` on torch
+  tensors (outside autograd it routes one query a head to the split-KV kernels), or
+  ``cuflash.attention(q, k, v)`` on CuPy arrays where torch is missing;
 - ``paged P``: caches of shape (num_pages, Hk, P, d) holding the same keys and values in pages of
   P tokens, placed in a random order, with an int32 page table (batch, N / P) and int32
-  ``seqlens_k`` (batch,): ``cuflash.attention(q, k_cache, v_cache, page_table=..., seqlens_k=...)``.
+  ``seqlens_k`` (batch,): ``attention(q, k_cache, v_cache, page_table=..., seqlens_k=...)``, the
+  same entry point.
   A build without that argument shows a dash with a footnote.
 
 The peer is PyTorch SDPA, ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on the
@@ -139,10 +142,27 @@ def is_missing_paging(exc: BaseException) -> bool:
 # ---- the calls timed ---------------------------------------------------------------------
 
 
-def cuflash_dense_fn() -> Callable:
+def _framework_attention(q) -> Callable:
+    """The cuflash entry point a user with these inputs calls: cuflash.torch.attention on torch
+    tensors (cuflash.attention would take them through zero-copy views made on every call),
+    and cuflash.attention (its o) on CuPy arrays."""
     import cuflash
+    from cuflash import _views
 
-    return lambda q, k, v: cuflash.attention(q, k, v).o
+    if _views.is_cuda_tensor(q):
+        import cuflash.torch
+
+        return cuflash.torch.attention
+    return lambda *args, **kwargs: cuflash.attention(*args, **kwargs).o
+
+
+def cuflash_dense_fn() -> Callable:
+    calls = {}
+
+    def call(q, k, v):
+        attend = calls.get(type(q)) or calls.setdefault(type(q), _framework_attention(q))
+        return attend(q, k, v)
+    return call
 
 
 def cuflash_paged_fn() -> Optional[Callable]:
@@ -151,8 +171,12 @@ def cuflash_paged_fn() -> Optional[Callable]:
 
     if not accepts_keyword(cuflash.attention, "page_table"):
         return None
-    return lambda q, k_cache, v_cache, page_table, seqlens_k: cuflash.attention(
-        q, k_cache, v_cache, page_table=page_table, seqlens_k=seqlens_k).o
+    calls = {}
+
+    def call(q, k_cache, v_cache, page_table, seqlens_k):
+        attend = calls.get(type(q)) or calls.setdefault(type(q), _framework_attention(q))
+        return attend(q, k_cache, v_cache, page_table=page_table, seqlens_k=seqlens_k)
+    return call
 
 
 def sdpa_fn(env) -> Callable:
@@ -347,7 +371,8 @@ def format_decode(records: list, args, ceilings: Optional[dict], notes: Footnote
                "call; GB/s: bytes of K and V read (2 * batch * k/v heads * KV length * head dim * "
                "itemsize) / time; % of copy: cuflash GB/s / the device-to-device "
                f"copy measured at the start ({ceiling}, bytes read + written / time). dense: "
-               "cuflash.attention(q, k, v) with k, v (batch, k/v heads, KV length, head dim); paged "
+               "cuflash.torch.attention(q, k, v) (cuflash.attention on CuPy arrays without torch) with k, v "
+               "(batch, k/v heads, KV length, head dim); paged "
                "P: the same keys and values in a cache (pages, k/v heads, P, head dim), pages in "
                "random order, through page_table and seqlens_k. SDPA: "
                "F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on the dense tensors; it "
