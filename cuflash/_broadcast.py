@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._config import MAX_LEAD_DIMS
+from ._constants import MAX_LEAD_DIMS
 
 
 def kv_group(hq, hkv) -> int:

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import _config
+from . import _constants
 from ._broadcast import broadcast_layout
 from .masks import DEFAULT_BLOCK_SIZE, BlockMask, _block_pair, window_option
 
@@ -34,10 +34,10 @@ def check_head_dims(q_shape, k_shape, v_shape):
     if nv != nk:
         raise ValueError(f"k and v sequence lengths differ: k {tuple(k_shape)}, v {tuple(v_shape)}")
     for name, dim, shape in (("q/k", d, q_shape), ("v", dv, v_shape)):
-        if dim < _config.HEAD_DIM_MULTIPLE or dim % _config.HEAD_DIM_MULTIPLE or dim > _config.MAX_HEAD_DIM:
+        if dim < _constants.HEAD_DIM_MULTIPLE or dim % _constants.HEAD_DIM_MULTIPLE or dim > _constants.MAX_HEAD_DIM:
             raise ValueError(
-                f"head dim of {name} must be a multiple of {_config.HEAD_DIM_MULTIPLE} between "
-                f"{_config.HEAD_DIM_MULTIPLE} and {_config.MAX_HEAD_DIM}, got {dim} (shape {tuple(shape)})"
+                f"head dim of {name} must be a multiple of {_constants.HEAD_DIM_MULTIPLE} between "
+                f"{_constants.HEAD_DIM_MULTIPLE} and {_constants.MAX_HEAD_DIM}, got {dim} (shape {tuple(shape)})"
             )
     return nq, nk, d, dv
 
@@ -64,8 +64,8 @@ def check_dtypes(q_dtype, k_dtype, v_dtype) -> str:
     names = [dtype_name(t) for t in (q_dtype, k_dtype, v_dtype)]
     if len(set(names)) != 1:
         raise TypeError(f"q, k and v must share one dtype, got q {names[0]}, k {names[1]}, v {names[2]}")
-    if names[0] not in _config.SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {names[0]} is not supported; use one of {', '.join(_config.SUPPORTED_DTYPES)}")
+    if names[0] not in _constants.SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {names[0]} is not supported; use one of {', '.join(_constants.SUPPORTED_DTYPES)}")
     return names[0]
 
 

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _api, _checks, _config, _loader, _plan
+from . import _api, _checks, _config, _constants, _loader, _plan, _tiles, _variants
 from .masks import window_option
 
 _DECODE_DTYPES = ("float16", "bfloat16")
@@ -51,8 +51,8 @@ _COMBINE_PARAM_FIELDS = (
 class DecodePlan(NamedTuple):
     """Everything :func:`decode_attention` decides from shapes, strides and the GPU's size."""
 
-    variant: _config.SplitKvDecode
-    combine: Optional[_config.DecodeCombine]  # None with one split: the kernel writes o, l, m
+    variant: _variants.SplitKvDecode
+    combine: Optional[_variants.DecodeCombine]  # None with one split: the kernel writes o, l, m
     num_splits: int
     tiles_per_split: int  # key tiles of block_cols keys a split covers
     row_tiles: int  # CTAs of variant.block_rows packed rows per (batch, k/v head)
@@ -148,8 +148,8 @@ def _check_num_splits(num_splits):
         return None
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
-    if not 1 <= num_splits <= _config.MAX_DECODE_SPLITS:
-        raise ValueError(f"num_splits must be between 1 and {_config.MAX_DECODE_SPLITS}, got {num_splits}")
+    if not 1 <= num_splits <= _constants.MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be between 1 and {_constants.MAX_DECODE_SPLITS}, got {num_splits}")
     return int(num_splits)
 
 
@@ -204,10 +204,10 @@ def _plan_layout(q, k, v, page_table):
         if x.ndim < 3 or (paged and x.ndim != 4):
             raise ValueError(f"{name} must have shape {kv_rank}, got {_shape_text(x)}")
     nq, nk, d, dv = _checks.check_head_dims(q.shape, k.shape, v.shape)
-    if not 1 <= nq <= _config.MAX_DECODE_QUERIES:
-        raise ValueError(f"decoding takes 1 to {_config.MAX_DECODE_QUERIES} queries a head, got q {_shape_text(q)}")
-    if max(d, dv) > _config.DECODE_HEAD_DIM_BUCKETS[-1]:
-        raise ValueError(f"decoding takes head dims up to {_config.DECODE_HEAD_DIM_BUCKETS[-1]}, got q "
+    if not 1 <= nq <= _constants.MAX_DECODE_QUERIES:
+        raise ValueError(f"decoding takes 1 to {_constants.MAX_DECODE_QUERIES} queries a head, got q {_shape_text(q)}")
+    if max(d, dv) > _tiles.DECODE_HEAD_DIM_BUCKETS[-1]:
+        raise ValueError(f"decoding takes head dims up to {_tiles.DECODE_HEAD_DIM_BUCKETS[-1]}, got q "
                          f"{_shape_text(q)}, v {_shape_text(v)}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must agree in every dim but the last: k {_shape_text(k)}, v {_shape_text(v)}")
@@ -222,8 +222,8 @@ def _plan_layout(q, k, v, page_table):
                   q_strides=(q_batch_stride,) + strides["q"][-3:-1])
     if paged:
         num_pages, _, page_size, _ = k.shape
-        if page_size not in _config.DECODE_PAGE_SIZES:
-            raise ValueError(f"page size (k.shape[2]) must be one of {_config.DECODE_PAGE_SIZES}, got k {_shape_text(k)}")
+        if page_size not in _constants.DECODE_PAGE_SIZES:
+            raise ValueError(f"page size (k.shape[2]) must be one of {_constants.DECODE_PAGE_SIZES}, got k {_shape_text(k)}")
         layout.update(num_pages=num_pages, page_size=page_size,
                       k_strides=strides["k"][:3], v_strides=strides["v"][:3])
     else:
@@ -295,7 +295,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         window_left=window_left, window_right=window_right,
     )
     return DecodePlan(
-        variant=variant, combine=_config.DecodeCombine(dtype) if splits > 1 else None, num_splits=splits,
+        variant=variant, combine=_variants.DecodeCombine(dtype) if splits > 1 else None, num_splits=splits,
         tiles_per_split=tiles_per_split, row_tiles=row_tiles, batch=batch, kv_heads=layout["kv_heads"],
         group=layout["group"], nq=layout["nq"], capacity=capacity, d=layout["d"], dv=layout["dv"],
         out_shape=tuple(q.shape[:-1]) + (layout["dv"],), fields=fields,

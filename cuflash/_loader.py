@@ -19,7 +19,7 @@ import re
 import threading
 from pathlib import Path
 
-from . import _config
+from . import _variants
 
 
 def _find_kernel_dir() -> Path:
@@ -49,9 +49,9 @@ def read_source(name: str) -> str:
 
 def base_options() -> tuple:
     """The options of every build: the include path, the numbers the kernels take from
-    cuflash/_config.py as defines (they are part of CuPy's disk-cache key like every option),
-    and the source hash."""
-    defines = tuple(f"-D{name}={value}" for name, value in _config.kernel_defines().items())
+    Python as defines (``_variants.kernel_defines()``: they are part of CuPy's disk-cache key
+    like every option), and the source hash."""
+    defines = tuple(f"-D{name}={value}" for name, value in _variants.kernel_defines().items())
     return ("-std=c++17", f"-I{KERNEL_DIR}", *defines, f"-DCUFLASH_SRC_HASH={source_hash()}")
 
 
@@ -65,7 +65,7 @@ _modules_lock = threading.Lock()
 
 
 def get_kernel(variant, device=None):
-    """The compiled ``cupy.RawKernel`` of a variant (from cuflash._config) on a device."""
+    """The compiled ``cupy.RawKernel`` of a variant (from cuflash._variants) on a device."""
     import cupy
 
     device = device or cupy.cuda.Device()

@@ -23,9 +23,9 @@ import threading
 from typing import NamedTuple
 
 
-from . import _checks, _config, _loader, _tma
+from . import _checks, _config, _constants, _loader, _tma, _variants
 from ._broadcast import broadcast_layout
-from ._config import MAX_LEAD_DIMS
+from ._constants import MAX_LEAD_DIMS
 
 # ---- the driver ------------------------------------------------------------------------------
 
@@ -360,7 +360,7 @@ def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_s
                                      nq=nq, slices=num_batch, tma=tma)
     row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
     maps = None
-    if isinstance(variant, _config.HopperForward) and variant.tma:
+    if isinstance(variant, _variants.HopperForward) and variant.tma:
         maps = _Maps(_tma.geometries(nq, nk, d, layout, row_strides, variant.block_rows, variant.block_cols), ptrs)
         if not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
             maps = None
@@ -370,7 +370,7 @@ def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_s
         sparsity, lists = sparsity_fields(mask, layout.extra_strides[-1] if mask is not None else (), nq, nk,
                                           variant, transpose=False, causal=causal, window=window)
     params = [_words(forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))]
-    if isinstance(variant, _config.HopperForward):
+    if isinstance(variant, _variants.HopperForward):
         params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
     n_q_tiles = -(-nq // variant.block_rows)
     if getattr(variant, "persistent", False):
@@ -501,7 +501,7 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     cc = compute_capability(device_id)
     kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
                                   hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
-    nq_pad = -(-nq // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
+    nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
 
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad)
     kv_direct = grads[1].kind == "direct"
@@ -538,7 +538,7 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     for index, grad in enumerate(grads):
         if grad.kind != "reduce":
             continue
-        variant = _config.GradientReduce(dtype)
+        variant = _variants.GradientReduce(dtype)
         inner = math.prod(grad.acc_shape[len(out_lead):])
         outer = math.prod(grad.shape[:-2])
         per_cta = variant.threads * variant.elements_per_thread
@@ -620,7 +620,7 @@ def varlen_grid_x(max_seqlen: int, total: int, tile: int) -> int:
 def varlen_stats_rows(total_q: int, num_seqs: int) -> int:
     """Rows of the backward's statistics per head: each sequence's padded to a multiple of
     STATS_ROW_MULTIPLE, at the offsets slice_geometry gives (which end by this)."""
-    r = _config.STATS_ROW_MULTIPLE
+    r = _constants.STATS_ROW_MULTIPLE
     return (-(-total_q // r) + num_seqs) * r
 
 
@@ -651,7 +651,7 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
                                      varlen=True)
     row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
     maps = None
-    if isinstance(variant, _config.HopperForward) and variant.tma:
+    if isinstance(variant, _variants.HopperForward) and variant.tma:
         # The maps span every packed row of a head; a sequence's tiles start at its first row.
         maps = _Maps(_tma.geometries(total_q, total_k, d, layout, row_strides, variant.block_rows,
                                      variant.block_cols), ptrs)
@@ -660,7 +660,7 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
             variant = dataclasses.replace(variant, tma=False)
     sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
     params = [_words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))]
-    if isinstance(variant, _config.HopperForward):
+    if isinstance(variant, _variants.HopperForward):
         params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
     grid = slice_grid(varlen_grid_x(max_seqlen_q, total_q, variant.block_rows), heads * num_seqs)
     kernel = Kernel(variant, device_id, grid, params, d, dv)
@@ -733,7 +733,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
         fwd_blocks.append(block)
         kernels.append(Kernel(variant, device_id, slice_grid(grid_x, heads * num_seqs), [block, bwd_block], d, dv))
 
-    stats_rows = -(-min(max_seqlen_q, total_q) // _config.STATS_ROW_MULTIPLE) * _config.STATS_ROW_MULTIPLE
+    stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
     add(kplan.preprocess, max(1, stats_rows // kplan.preprocess.warps))
     for variant in kplan.key_passes:
         add(variant, varlen_grid_x(max_seqlen_k, total_k, variant.block_cols))
@@ -743,7 +743,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     for index, grad in enumerate(grads):
         if grad.kind != "reduce":
             continue
-        variant = _config.GradientReduce(dtype)
+        variant = _variants.GradientReduce(dtype)
         inner = math.prod(grad.acc_shape[len(out_lead):])
         outer = math.prod(grad.shape[:-2])
         per_cta = variant.threads * variant.elements_per_thread

@@ -14,8 +14,9 @@ typedef long long i64;
 struct bf16 { u16 bits; };
 struct fp16 { u16 bits; };
 
-// The numbers the kernels share with Python are chosen in cuflash/_config.py and arrive as
-// -D defines (kernel_defines() there, _loader.base_options()); each is named here once.
+// The numbers the kernels share with Python are fixed in cuflash/_constants.py (the Hopper CTA
+// shapes in cuflash/_variants.py) and arrive as -D defines (_variants.kernel_defines(),
+// _loader.base_options()); each is named here once.
 constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python has merged what it can
 
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')

@@ -40,7 +40,7 @@
 
 namespace cuflash {
 
-constexpr int kDecodeRows = 16;  // query rows a warp: one m16 tile (DECODE_ROW_TILE in _config)
+constexpr int kDecodeRows = 16;  // query rows a warp: one m16 tile (DECODE_ROW_TILE in _constants)
 constexpr int kPageGroup = 16;   // keys that share one page-table look-up (the smallest page)
 
 // Every member is 8 bytes (packed by cuflash/_decode.py, _DECODE_PARAM_FORMAT).

@@ -31,7 +31,7 @@ struct FwdSmemLayout {
     static constexpr int bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
 
-// SMEM_BYTES: the dynamic shared memory the launch gives, as cuflash/_config.py computed it.
+// SMEM_BYTES: the dynamic shared memory the launch gives, as cuflash/_variants.py computed it.
 // VARLEN: a packed variable-length batch; the CTA walks the query tiles of its sequence that
 // its grid position names (slice.cuh's work items).
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, int QK_UNROLL, bool SPARSE,

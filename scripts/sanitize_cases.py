@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gpu_util import random_array, tma_refused  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _config, _loader, masks  # noqa: E402
+from cuflash import _config, _constants, _loader, _tiles, masks  # noqa: E402
 
 ODD_LENGTHS = (77, 131)
 LONG_QUERIES = 1100  # past the 1024 rows up to which the wgmma forward runs a persistent grid
@@ -65,8 +65,8 @@ def cases(subset):
     """The case list; ``one`` keeps one case per variant (d = the bucket)."""
     short, long = ODD_LENGTHS
     out = []
-    for dtype in _config.SUPPORTED_DTYPES:
-        dims = _config.HEAD_DIM_BUCKETS if dtype != "float32" else range(32, _config.MAX_HEAD_DIM + 1, 32)
+    for dtype in _constants.SUPPORTED_DTYPES:
+        dims = _tiles.HEAD_DIM_BUCKETS if dtype != "float32" else range(32, _constants.MAX_HEAD_DIM + 1, 32)
         for d in dims:
             out.append(Case(dtype, d, d, short, long, False))
             out.append(Case(dtype, d, d, long, short, True))  # rows 0..53 see no key
@@ -81,11 +81,11 @@ def cases(subset):
     if has_block_mask and has_window:
         kinds.append("block+window")
     for kind in kinds:
-        for dtype in _config.SUPPORTED_DTYPES:
+        for dtype in _constants.SUPPORTED_DTYPES:
             # A block mask selects the SPARSE variants: every bucket, like the dense cases. A
             # window alone runs the dense variants, so two head dims do.
             if kind == "block":
-                dims = _config.HEAD_DIM_BUCKETS if dtype != "float32" else range(32, _config.MAX_HEAD_DIM + 1, 32)
+                dims = _tiles.HEAD_DIM_BUCKETS if dtype != "float32" else range(32, _constants.MAX_HEAD_DIM + 1, 32)
             else:
                 dims = (64, 256) if subset == "all" else (64,)
             for d in dims:
@@ -112,7 +112,7 @@ def decode_cases(subset):
     page_sizes = (None, 16, 256) if subset == "all" else (None, 64)
     splits = (1, 3, None) if subset == "all" else (3,)  # 3: the combine runs (300 keys are 3-5 tiles)
     for dtype in ("float16", "bfloat16"):
-        for d in _config.DECODE_HEAD_DIM_BUCKETS:
+        for d in _tiles.DECODE_HEAD_DIM_BUCKETS:
             out += [DecodeCase(dtype, d, heads, nq, page_size, num_splits) for page_size in page_sizes
                     for heads, nq in DECODE_GROUPS for num_splits in splits]
     return out
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         # and (the cases are short, so persistent where the table says so) with LONG_QUERIES
         # query rows, which run one item a CTA, through TMA and through cp.async.
         hopper = [case for case in case_list
-                  if case.dtype != "float32" and case.d == case.dv and case.d in _config._SM90_FORWARD_TILES]
+                  if case.dtype != "float32" and case.d == case.dv and case.d in _tiles.SM90_FORWARD_TILES]
         runs += [(case, form) for form in ("wgmma off", "cp.async", "wgmma backward off") for case in hopper]
         persistent = [case for case in hopper
                       if _config.forward_config(case.dtype, case.d, case.dv, case.causal, wgmma=True, nq=case.nq).persistent]

@@ -5,7 +5,7 @@ vector atomics (head dim 64) and by bulk reductions (128). Skipped elsewhere."""
 import pytest
 
 from conftest import requires_gpu, requires_wgmma
-from cuflash import _config
+from cuflash import _config, _variants
 from cuflash import masks as M
 from cuflash import reference as ref
 from gpu_util import check_backward, check_forward, random_array, to_device
@@ -27,9 +27,9 @@ def run_checked(q, k, v, do, *, dtype, causal=False, deterministic=False, mask=N
 
 def test_dispatcher_picks_it_only_when_on():
     plan = _config.backward_plan("bfloat16", 128, 128, False, False, wgmma=True, wgmma_backward_on=True)
-    assert isinstance(plan.key_passes[0], _config.HopperBackward)
+    assert isinstance(plan.key_passes[0], _variants.HopperBackward)
     plan = _config.backward_plan("bfloat16", 128, 128, False, False, wgmma=True, wgmma_backward_on=False)
-    assert not isinstance(plan.key_passes[0], _config.HopperBackward)
+    assert not isinstance(plan.key_passes[0], _variants.HopperBackward)
 
 
 @pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))

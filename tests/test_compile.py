@@ -5,7 +5,7 @@ Needs only NVRTC (no GPU, no driver), so it runs in CI.
 
 import pytest
 
-from cuflash import _config, _loader, compile_check
+from cuflash import _config, _constants, _loader, _variants, compile_check
 
 pytestmark = pytest.mark.nvrtc  # builds kernels: left out by -m "not nvrtc"
 
@@ -54,7 +54,7 @@ def test_no_variant_serializes_its_wgmmas(reports):
 
 def test_dispatcher_only_picks_listed_variants():
     listed = {v.key for v in _config.all_variants()}
-    for dtype in _config.SUPPORTED_DTYPES:
+    for dtype in _constants.SUPPORTED_DTYPES:
         for d in range(8, 257, 8):
             for dv in (8, d, 256):
                 for causal in (False, True):
@@ -84,13 +84,13 @@ def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
     assert wrong_size.name_expression != variant.name_expression
     with pytest.raises(RuntimeError, match="TensorCoreForward.smem_bytes"):
         _loader.compile_offline(variant.source, [wrong_size.name_expression], "sm_80")
-    monkeypatch.setattr(_config, "SMEM_PAD", 16)
+    monkeypatch.setattr(_constants, "SMEM_PAD", 16)
     padded = dataclasses.replace(variant)  # smem_bytes follows the new padding: only the pad is wrong
     with pytest.raises(RuntimeError, match="one 16-byte chunk of padding"):
         _loader.compile_offline(padded.source, [padded.name_expression], "sm_80")
     monkeypatch.undo()
     hopper = _config.forward_config("bfloat16", 128, 128, False, wgmma=True)
-    monkeypatch.setattr(_config.HopperForward, "block_rows", 192)
+    monkeypatch.setattr(_variants.HopperForward, "block_rows", 192)
     with pytest.raises(RuntimeError, match="two consumer warpgroups"):
         _loader.compile_offline(hopper.source, [hopper.name_expression], "sm_90a")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cpu_fakes import HostArrayAsDevice
-from cuflash import _config, _decode, _loader, compile_check
+from cuflash import _config, _constants, _decode, _loader, _tiles, _variants, compile_check
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -62,9 +62,9 @@ def test_a_plan_fills_every_member():
 
 def test_constants_match_the_kernel():
     text = (_loader.KERNEL_DIR / "flash_decode.cu").read_text()
-    assert f"kDecodeRows = {_config.DECODE_ROW_TILE};" in text
-    assert f"kPageGroup = {_config.DECODE_PAGE_GROUP};" in text
-    assert _config.DECODE_PAGE_GROUP == min(_config.DECODE_PAGE_SIZES)
+    assert f"kDecodeRows = {_constants.DECODE_ROW_TILE};" in text
+    assert f"kPageGroup = {_constants.DECODE_PAGE_GROUP};" in text
+    assert _constants.DECODE_PAGE_GROUP == min(_constants.DECODE_PAGE_SIZES)
 
 
 # ---- argument checks -------------------------------------------------------------------------
@@ -223,12 +223,12 @@ def test_auto_splits_fill_the_gpu_but_keep_tiles_per_split(batch, kv_len, heads)
     sms, resident = 132, 2
     p = plan(arr((batch, hq, nq, 128)), arr((batch, hk, kv_len, 128)), sm_count=sms, ctas_per_sm=resident)
     key_tiles = -(-kv_len // p.variant.block_cols)
-    assert 1 <= p.num_splits <= _config.MAX_DECODE_SPLITS
+    assert 1 <= p.num_splits <= _constants.MAX_DECODE_SPLITS
     assert (p.num_splits - 1) * p.tiles_per_split < key_tiles <= p.num_splits * p.tiles_per_split  # none empty
     if p.num_splits > 1:
         assert p.tiles_per_split >= _config.DECODE_MIN_TILES_PER_SPLIT
     waves = p.num_bh * p.grid_x / (sms * resident)
-    most = min(_config.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT)
+    most = min(_constants.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT)
     if p.num_bh * p.row_tiles * most >= _config.DECODE_TARGET_WAVES * sms * resident:
         assert waves >= _config.DECODE_TARGET_WAVES
     elif p.num_splits > 1:  # the target is out of reach: as many splits as the tiles allow
@@ -246,7 +246,7 @@ def test_splits_avoid_a_nearly_empty_last_wave():
 def test_long_single_sequence_is_spread_over_every_sm():
     p = plan(arr((1, 32, 1, 128)), arr((1, 8, 131072, 128)), sm_count=132, ctas_per_sm=2)
     assert p.num_bh * p.grid_x >= 2 * 132 * 2
-    assert p.combine == _config.DecodeCombine("bfloat16")
+    assert p.combine == _variants.DecodeCombine("bfloat16")
 
 
 def test_forced_splits_are_taken_as_given():
@@ -263,7 +263,7 @@ def test_empty_cache_plans_one_split():
 
 def test_default_residency_comes_from_shared_memory():
     for v in _config.all_decode_variants():
-        if isinstance(v, _config.SplitKvDecode):
+        if isinstance(v, _variants.SplitKvDecode):
             assert _decode._ctas_per_sm_by_smem(v, 228 * 1024) >= 2  # two CTAs (or more) an H100 / H200 SM
             assert v.smem_bytes() <= 163 * 1024  # one fits an A100
 
@@ -275,9 +275,9 @@ def test_decode_variants_are_listed_for_every_arch():
     for arch in compile_check.DEFAULT_ARCHS:
         keys = {v.key for v in _config.variants_for(arch)}
         assert {v.key for v in _config.all_decode_variants()} <= keys
-    decode = [v for v in _config.all_decode_variants() if isinstance(v, _config.SplitKvDecode)]
+    decode = [v for v in _config.all_decode_variants() if isinstance(v, _variants.SplitKvDecode)]
     # dtypes x head dims x dense/paged x row warps
-    assert len(decode) == 2 * len(_config.DECODE_HEAD_DIM_BUCKETS) * 2 * len(_config.DECODE_ROW_WARPS)
+    assert len(decode) == 2 * len(_tiles.DECODE_HEAD_DIM_BUCKETS) * 2 * len(_tiles.DECODE_ROW_WARPS)
 
 
 def test_every_decode_variant_builds_within_the_spill_budget():

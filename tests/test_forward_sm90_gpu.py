@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu, requires_wgmma
-from cuflash import _config
+from cuflash import _config, _variants
 from cuflash import masks as M
 from cuflash import reference as ref
 from gpu_util import check_forward, launched_variants, random_array, to_device, tma_refused
@@ -35,10 +35,10 @@ def test_dispatcher_picks_wgmma(dtype, d):
     for causal in (False, True):
         for sparse in (False, True):
             variant = _config.forward_config(dtype, d, d, causal, sparse=sparse, wgmma=True)
-            assert isinstance(variant, _config.HopperForward), variant
-    assert not isinstance(_config.forward_config(dtype, d, d // 2, False, wgmma=True), _config.HopperForward)
+            assert isinstance(variant, _variants.HopperForward), variant
+    assert not isinstance(_config.forward_config(dtype, d, d // 2, False, wgmma=True), _variants.HopperForward)
     with _config.wgmma_forward(False):
-        assert not isinstance(_config.forward_config(dtype, d, d, False, wgmma=True), _config.HopperForward)
+        assert not isinstance(_config.forward_config(dtype, d, d, False, wgmma=True), _variants.HopperForward)
 
 
 # Lengths around the 128-row and 64/128-key tiles, and long enough for many laps of the ring.
@@ -72,7 +72,7 @@ def test_every_form(d, nq, loads, rng):
     with launched_variants() as launched, refused:
         for causal in (False, True):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
-    forms = {(v.tma, v.persistent, v.causal) for v in launched if isinstance(v, _config.HopperForward)}
+    forms = {(v.tma, v.persistent, v.causal) for v in launched if isinstance(v, _variants.HopperForward)}
     assert forms == {(loads == "tma", persistent, causal) for causal in (False, True)}
 
 

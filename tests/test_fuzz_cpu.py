@@ -12,7 +12,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cuflash import _api, _broadcast, _checks, _config, masks  # noqa: E402
+from cuflash import _api, _broadcast, _checks, _constants, masks  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
 from fuzz_strategies import SEEDS, element_mask_of, fuzz_settings, lead_dims, sparsity  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_head_dim_checks_accept_exactly_the_supported_shapes(d, dv, data):
     shapes = ((nq, d), (nk, dk), (nv, dv))
 
     def supported(x):
-        return x % _config.HEAD_DIM_MULTIPLE == 0 and _config.HEAD_DIM_MULTIPLE <= x <= _config.MAX_HEAD_DIM
+        return x % _constants.HEAD_DIM_MULTIPLE == 0 and _constants.HEAD_DIM_MULTIPLE <= x <= _constants.MAX_HEAD_DIM
 
     if dk == d and nv == nk and supported(d) and supported(dv):
         assert _checks.check_head_dims(*shapes) == (nq, nk, d, dv)
@@ -166,7 +166,7 @@ def test_batch_layout_addresses_what_the_reference_broadcasts(tensors, data):
         layout = _broadcast.broadcast_layout(q_shape, q_str + (8, 1), k_shape, k_str + (8, 1), v_shape, v_str + (8, 1),
                                        extras=((out_lead + (5, 8), do_str + (8, 1)),))
     except ValueError as error:
-        assert f"at most {_config.MAX_LEAD_DIMS} leading dims" in str(error)
+        assert f"at most {_constants.MAX_LEAD_DIMS} leading dims" in str(error)
         return
     assert layout.out_lead_shape == out_lead
     assert layout.kv_group == plan.group_size

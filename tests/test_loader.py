@@ -29,11 +29,11 @@ def test_cache_key_changes_when_a_header_changes(tmp_path, monkeypatch):
 def test_options_carry_every_shared_number(monkeypatch):
     """The kernels' shared numbers arrive as defines in the options, so that CuPy's disk-cache
     key (source and options) changes with them."""
-    from cuflash import _config
+    from cuflash import _constants, _variants
 
     before = _loader.base_options()
-    assert {f"-D{name}={value}" for name, value in _config.kernel_defines().items()} <= set(before)
-    monkeypatch.setattr(_config, "STATS_ROW_MULTIPLE", 256)
+    assert {f"-D{name}={value}" for name, value in _variants.kernel_defines().items()} <= set(before)
+    monkeypatch.setattr(_constants, "STATS_ROW_MULTIPLE", 256)
     after = _loader.base_options()
     assert "-DCUFLASH_STATS_ROW_MULTIPLE=256" in after and before != after
 

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from cuflash import _config, _loader, _plan, _tma
+from cuflash import _config, _loader, _plan, _tma, _variants
 
 
 class _FakeDriver:
@@ -125,8 +125,8 @@ def test_switches_build_new_plans(fake_gpu):
     plan = _forward()
     with _config.wgmma_forward(False):
         other = _forward()
-    assert other is not plan and not isinstance(other.variant, _config.HopperForward)
-    assert isinstance(plan.variant, _config.HopperForward)
+    assert other is not plan and not isinstance(other.variant, _variants.HopperForward)
+    assert isinstance(plan.variant, _variants.HopperForward)
 
 
 def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):

@@ -29,10 +29,10 @@ def test_coverage_line(cases_module):
 
 @pytest.mark.parametrize("subset", ("all", "one"))
 def test_decode_cases_reach_every_decode_variant(cases_module, subset):
-    from cuflash import _config
+    from cuflash import _config, _variants
 
     reached = {_config.decode_config(c.dtype, c.d, c.d, c.page_size is not None, c.heads[0] // c.heads[1] * c.nq).key
                for c in cases_module.decode_cases(subset)}
-    assert reached == {v.key for v in _config.all_decode_variants() if isinstance(v, _config.SplitKvDecode)}
+    assert reached == {v.key for v in _config.all_decode_variants() if isinstance(v, _variants.SplitKvDecode)}
     assert all(any(c.num_splits == 3 and c.dtype == dtype for c in cases_module.decode_cases(subset))
                for dtype in ("float16", "bfloat16"))  # both combines run

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu
-from cuflash import _api, _broadcast, _checks, _config, _plan
+from cuflash import _api, _broadcast, _checks, _constants, _plan
 
 
 def test_numpy_arrays_are_refused_with_their_shape():
@@ -203,7 +203,7 @@ def header_field_kinds(struct_name):
             kind = "d" if type_name == "double" else "q"
         for name in names.split(","):
             dims = re.search(r"\[(\w+)\]", name)
-            count = 1 if dims is None else (_config.MAX_LEAD_DIMS if dims.group(1) == "kMaxLead" else int(dims.group(1)))
+            count = 1 if dims is None else (_constants.MAX_LEAD_DIMS if dims.group(1) == "kMaxLead" else int(dims.group(1)))
             kinds += [kind] * count
     return "".join(kinds)
 
@@ -312,7 +312,7 @@ def test_every_launch_has_a_tile_shape():
     # _plan.sparsity_fields counts each launch's lists in its variant's block_rows x block_cols.
     from cuflash import _config
 
-    for dtype in _config.SUPPORTED_DTYPES:
+    for dtype in _constants.SUPPORTED_DTYPES:
         for d in (32, 64, 128, 256):
             for deterministic, hopper in itertools.product((False, True), repeat=2):
                 plan = _config.backward_plan(dtype, d, d, False, deterministic, hopper=hopper, sparse=True, wgmma=hopper)

@@ -5,7 +5,7 @@ and every argument check (the GPU tests are in test_varlen_gpu.py)."""
 import numpy as np
 import pytest
 
-from cuflash import _checks, _config, _plan
+from cuflash import _checks, _config, _constants, _plan
 from cuflash import reference as ref
 
 
@@ -97,7 +97,7 @@ def test_boundaries_are_clamped_and_reversed_ranges_are_empty():
 def test_statistics_regions_of_sequences_never_overlap_and_fit_the_pitch():
     """slice_geometry's rule: sequence s starts at R (ceil(start / R) + s) and owns
     round_up(n, R) rows; _plan.varlen_stats_rows is the pitch they must fit in."""
-    r = _config.STATS_ROW_MULTIPLE
+    r = _constants.STATS_ROW_MULTIPLE
     rng = np.random.default_rng(5)
     for _ in range(200):
         lengths = rng.integers(0, 3 * r, size=rng.integers(1, 9))
@@ -122,7 +122,7 @@ def test_varlen_grid_covers_the_announced_longest_sequence():
 
 
 @pytest.mark.parametrize("wgmma", (False, True))
-@pytest.mark.parametrize("dtype", _config.SUPPORTED_DTYPES)
+@pytest.mark.parametrize("dtype", _constants.SUPPORTED_DTYPES)
 def test_varlen_variants_are_listed_and_never_persistent(wgmma, dtype):
     listed = {v.key for v in _config.all_variants(hopper=True, wgmma=wgmma)}
     for d in (64, 128, 256, 96):

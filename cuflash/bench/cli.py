@@ -75,10 +75,10 @@ def positive_int(text: str) -> int:
 
 
 def head_dim(text: str) -> int:
-    from cuflash import _config
+    from cuflash import _constants
 
     value = positive_int(text)
-    step, top = _config.HEAD_DIM_MULTIPLE, _config.MAX_HEAD_DIM
+    step, top = _constants.HEAD_DIM_MULTIPLE, _constants.MAX_HEAD_DIM
     if value % step or value > top:
         raise argparse.ArgumentTypeError(
             f"head dims are multiples of {step} from {step} to {top}, got {value}")

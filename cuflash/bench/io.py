@@ -77,8 +77,8 @@ MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 BWD_FLOP_FACTOR = MODE_FLOP_FACTOR["bwd"]
 STANDARD_MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.0, "fwdbwd": 3.0}
 STAT_BYTES = 4  # l, m, lse, D: float32
-STATS_ROW_MULTIPLE = 128  # cuflash pads lse / D rows to this (cuflash._config)
-SPLIT_BACKWARD_ABOVE = 128  # head dims above this run the key pass twice (cuflash._config)
+STATS_ROW_MULTIPLE = 128  # cuflash pads lse / D rows to this (cuflash._constants)
+SPLIT_BACKWARD_ABOVE = 128  # head dims above this run the key pass twice (cuflash._tiles)
 
 # The FlashAttention paper's Fig. 2: GPT-2 medium attention, forward + backward.
 GPT2_MEDIUM = {"seq": 1024, "hdim": 64, "heads": 16, "batch": 64}

@@ -61,7 +61,7 @@ __all__ = ["flops", "problem_shape", "time_call", "Footnotes", "BWD_FLOP_FACTOR"
 
 
 def parse_tiles(text: str) -> tuple:
-    """'BR,BC,W,MB[,U]' -> a tile-table entry of cuflash._config (block_rows, block_cols,
+    """'BR,BC,W,MB[,U]' -> a tile-table entry of cuflash._tiles (block_rows, block_cols,
     warps, min_blocks[, qk_unroll]), checked against the kernel's rules."""
     try:
         tiles = tuple(int(p) for p in text.replace(" ", "").split(","))

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Tuple
 
 import numpy as np
 
-from .._config import PARTIAL_TILE
+from .._constants import PARTIAL_TILE
 
 
 def _compact_lists(present: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -40,7 +40,7 @@ def _read_only(x: np.ndarray) -> np.ndarray:
     return x
 
 
-# PARTIAL_TILE (from _config, which passes it to the kernels as kPartialTile) flags a tile-list
+# PARTIAL_TILE (from _constants, passed to the kernels as kPartialTile) flags a tile-list
 # entry whose tile straddles present and absent blocks: the kernel must then look the block of
 # every element up.
 

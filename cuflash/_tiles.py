@@ -1,0 +1,129 @@
+"""The tile tables: per head dim (and architecture), the tile shapes each kernel runs with,
+with the measurements and register counts that chose them.
+
+Tile sizes follow the paper's line 1 (blocks sized to the on-chip memory) refined by the
+register budget of the mma.sync layout: each warp owns 16 query rows and keeps its slice of O
+(16 x head_dim fp32) and of S (16 x block_cols fp32) in registers. Wide heads therefore get
+fewer rows per CTA and narrower key tiles.
+
+These are data only: cuflash/_config.py reads them to choose a variant (and its
+``forward_tiles_override`` / ``backward_tiles_override`` replace entries for tuning runs);
+the variants they fill in are the dataclasses of cuflash/_variants.py.
+"""
+
+# Head dims are rounded up to one of these buckets; padded columns are zero-filled on load.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+# ---- forward ------------------------------------------------------------------------------
+
+# (block_rows, block_cols, warps, min_blocks) per head-dim bucket for the 16-bit forward.
+# A warp holds (block_rows / warps / 16) row tiles; per thread O costs head_dim / 8 * 4 fp32
+# registers per row tile and S block_cols / 8 * 4, which is what bounds these choices.
+TC_FORWARD_TILES = {
+    32: (128, 64, 4, 1, 4),
+    64: (128, 64, 4, 1, 4),  # 322 TFLOP/s at seq 4096 on the H200 (bench/NOTES.md)
+    96: (128, 64, 8, 1),
+    128: (256, 32, 8, 1, 4),  # 293 TFLOP/s; (128, 32, 4, 1) is faster causal but spills
+    160: (128, 32, 8, 1),
+    192: (128, 32, 8, 1),
+    224: (64, 16, 4, 1),  # 32-key tiles spill at 224 and 256: O alone is 112-128 registers
+    256: (64, 16, 4, 1),
+}
+
+
+# (block_cols, stages, overlap, pingpong, persistent) of the wgmma forward per head dim. Its
+# consumers hold S (64 x block_cols fp32, exponentiated in place), P (16-bit, the tile in P V)
+# and O (64 x head_dim fp32) in the 240 registers a thread they take from the producer. Every
+# form loads through TMA; the launch falls back to cp.async where the copy engine cannot map
+# the inputs, and to one item a CTA where the persistent grid's 32-bit item count would not do.
+# Overlap (S of t + 1 issued before P V of t, softmax of t + 1 while P V of t runs) with
+# ping-pong is the fastest at hdim 64 (331 against 324 TFLOP/s at seq 4096, 435 against 408 at
+# 16k); at hdim 128 neither helps (506 against 507 at 4096, 591 against 564 at 16k),
+# bench/NOTES.md.
+#
+# persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
+# items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
+# a CTA's ring fills and drains in a handful of key tiles; from 4096 the one-item-a-CTA grid
+# was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k: its fixed
+# round-robin of items, longest query tiles first, balances worse than the hardware handing a
+# free SM the next CTA; but the non-causal forms, whose items are equal, lost too, so balance
+# is not all of it: bench/NOTES.md, sixth session).
+#
+# Head dim 256: 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of shared
+# memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
+# TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78. Never
+# persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
+SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, False, False, 8), 256: (64, 2, False, True, False)}
+
+
+# ---- backward -----------------------------------------------------------------------------
+
+# (query rows per tile, keys per CTA, warps, min_blocks, warps along S's queries, along dK/dV's
+# keys, along dQ's queries) of flash_bwd_kernel per bucket. Per thread, dK and dV cost
+# block_cols * head_dim / (32 * warps) fp32 registers each; above 128 the two are computed in
+# separate passes, so only one of them is live.
+TC_BACKWARD_TILES = {
+    32: (128, 128, 8, 1, 4, 8, 4),
+    64: (64, 128, 8, 1, 2, 4, 2),
+    96: (64, 128, 8, 1, 2, 4, 4),
+    128: (64, 128, 8, 1, 2, 4, 2),
+    160: (64, 64, 8, 1, 2, 4, 4),
+    192: (64, 64, 8, 1, 2, 4, 4),
+    256: (32, 64, 8, 1, 2, 4, 2),  # 224 runs as 256: 224 = 14 x 16 splits over 2 or 7 warps only
+}
+# Before Hopper a CTA gets at most 163 KB of shared memory (A100), and sm_80's register
+# allocation spills the 128 x 128 dK/dV tiles: smaller key tiles there.
+TC_BACKWARD_TILES_PRE_HOPPER = {
+    128: (64, 64, 8, 1, 2, 4, 2),
+    192: (32, 64, 8, 1, 2, 4, 2),
+}
+# (query rows per CTA, keys per tile, warps, min_blocks) of the deterministic dQ kernel.
+TC_BACKWARD_DQ_TILES = {
+    32: (128, 64, 8, 1),
+    64: (128, 64, 8, 1),
+    96: (128, 32, 8, 1),  # causal 64-key tiles spill at 128 (dQ, S and dP all live)
+    128: (128, 32, 8, 1),
+    160: (64, 32, 4, 1),
+    192: (64, 16, 4, 1),  # dQ alone is 96-128 registers a thread: keep S and dP small
+    224: (64, 16, 4, 1),
+    256: (64, 16, 4, 1),
+}
+SPLIT_BACKWARD_ABOVE = 128  # head dims above this compute dV and dK in separate passes
+
+
+# Per head dim: the wgmma backward's atomic dQ added tile by tile by one bulk reduction on the
+# copy engine (True) or by vector atomics from registers (False). Measured (bench/NOTES.md,
+# 8cbec78): +7-11% at head dim 128; -4-8% at 64, where each warpgroup adds its own tile and the
+# copy engine's two reductions a tile cost more than the atomics they replace.
+SM90_BULK_DQ = {64: False, 128: True}
+
+
+# ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
+#
+# A few queries a head against a long cache: the keys of each (batch, k/v head) are split over
+# CTAs so that every SM streams K and V, and the query heads sharing a k/v head are packed into
+# one tile of 16, 32 or 64 rows. The kernel is bound by device memory, not by the tensor
+# cores: what a tile size buys is bytes in flight. Per CTA, STAGES - 1 tiles of BC keys (K and
+# V, 2 * BC * hd * 2 bytes each) are in flight while one is computed.
+
+# Head dims (any multiple of 8 up to 128) are padded (zero-filled) up to one of these. 256 is
+# not offered: with O (16 x 256 fp32 a warp) at 128 registers a thread, the 64-key tile
+# spilled 144-180 bytes (sm_80 and sm_90a, two stages); it needs O's columns split over warps.
+DECODE_HEAD_DIM_BUCKETS = (64, 128)
+
+# (block_cols, warps, stages) per (head-dim bucket, row warps). Four warps; three stages, so
+# two tiles are in flight a CTA while one is computed. A stage of K and V is 32 KB at one and
+# two row warps (block_cols 128 at head dim 64, 64 at 128), and the shared memory of each form
+# (<= 113 KB) lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved a CTA) and one
+# an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole tile's S:
+# smaller tiles there (64 and 48 keys: 18 and 26 KB a stage) keep two CTAs an SM and S at 32
+# or 24 registers. Predicted, not yet measured: Little's law at ~4.2 TB/s over 132 SMs and ~1
+# us of latency asks ~32 KB in flight an SM; two CTAs keep 72-128 KB.
+DECODE_TILES = {
+    (64, 1): (128, 4, 3), (64, 2): (128, 4, 3), (64, 4): (64, 4, 3),
+    (128, 1): (64, 4, 3), (128, 2): (64, 4, 3), (128, 4): (48, 4, 3),
+}
+
+# 16-row tiles a CTA the decoding kernel is built for (decode_row_warps in _config picks one).
+DECODE_ROW_WARPS = (1, 2, 4)

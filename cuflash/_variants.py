@@ -1,0 +1,490 @@
+"""The kernel variants: one frozen dataclass per CUDA kernel template, what a launch of it is.
+
+Each class names its source file and template, and builds from its fields the variant's key
+(``fwd_sm90_bf16_d128_bc128_s3_tma_persistent_causal``, the cache and report name) and its
+name expression (the template instance NVRTC compiles). The shared memory of each 16-bit
+variant is computed here and passed as its last template argument; the kernel's own layout
+(``FwdSmemLayout`` in kernels/flash_fwd.cu, ...) must come to the same size (a static_assert,
+so a drift fails the build) and the kernel traps if a launch gives it less. The numbers every
+variant is built with (cuflash/_constants.py, and the Hopper kernels' fixed CTA shapes below)
+reach the kernels as defines from :func:`kernel_defines`.
+
+Which variant runs for which arguments is chosen in cuflash/_config.py, from the tile tables in
+cuflash/_tiles.py; nothing here chooses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from . import _constants
+
+# The C++ type of each dtype in a name expression.
+_CPP_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16", "float32": "float"}
+
+
+def _instance(kernel: str, *args) -> str:
+    """The name expression of an instance of a kernel template: a dtype as its C++ type, a bool
+    as true / false, a number as it is."""
+    def argument(value):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return _CPP_TYPE[value] if isinstance(value, str) else str(value)
+
+    return f"cuflash::{kernel}<{', '.join(map(argument, args))}>"
+
+
+# Words and prefixes of variant keys: the dtype's short name, and a short prefix for each
+# numeric field (a true bool field reads as its name, a false one is left out).
+_DTYPE_WORD = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_KEY_PREFIX = {"head_dim": "d", "head_dim_v": "dv", "block_rows": "br", "block_cols": "bc", "warps": "w",
+               "min_blocks": "mb", "qk_unroll": "u", "stages": "s", "value_tiles": "dvt", "rows_per_warp": "rpw",
+               "dim_tiles": "dt", "keys_per_warp": "kpw", "warps_s_rows": "ws", "warps_kv_rows": "wkv",
+               "warps_dq_rows": "wdq", "k_unroll_s": "us", "k_unroll_o": "uo", "row_warps": "rw"}
+
+
+class _Launch:
+    """What every kernel variant shares: a CTA of ``warps`` warps, and a key built from its
+    fields, e.g. ``fwd_sm90_bf16_d128_bc128_s3_tma_persistent_causal``."""
+
+    warps: int
+    key_prefix: str  # what kind of kernel: fwd, fwd_sm90, bwd_dq, ...
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def key(self) -> str:
+        numbers, words = [], []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool):
+                words += [field.name] if value else []
+            elif field.name != "dtype":
+                numbers.append(f"{_KEY_PREFIX[field.name]}{value}")
+        return "_".join([self.key_prefix, _DTYPE_WORD[self.dtype], *numbers, *words])
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCoreForward(_Launch):
+    """A float16/bfloat16 forward variant (kernels/flash_fwd.cu, ``flash_fwd_kernel``)."""
+
+    dtype: str
+    head_dim: int  # padded head dim of q/k (HD)
+    head_dim_v: int  # padded head dim of v (HDV)
+    block_rows: int  # BR: query rows per CTA, a multiple of 16 per warp
+    block_cols: int  # BC: keys per tile
+    warps: int
+    min_blocks: int  # CTAs per SM promised to the register allocator (__launch_bounds__)
+    causal: bool
+    qk_unroll: int = 2  # unroll of the QK^T k-loop when a warp holds several row tiles
+    sparse: bool = False  # walks block-sparse tile lists (FwdParams::tile_lists)
+    varlen: bool = False  # a packed variable-length batch (FwdParams::cu_seqlens_q, kernels/slice.cuh)
+
+    source = "flash_fwd.cu"
+    key_prefix = "fwd"
+
+    # The block-sparse 256 x 32 forms at head dim 128 sat at the default budget (48 bytes on
+    # sm_90a, 20 on sm_80, ba96d6a); the sequence geometry the varlen forms share took them to
+    # 52 and 32. On Hopper they run only with the wgmma forward switched off (sparse head dim
+    # 128 dispatches HopperForward), so they get 16 bytes of room rather than a new tile shape.
+    @property
+    def spill_allowance(self) -> int:
+        return 64 if self.sparse and self.head_dim == 128 else 0
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        q_pitch = max(self.head_dim, self.head_dim_v) + _constants.SMEM_PAD
+        k_pitch = self.head_dim + _constants.SMEM_PAD
+        v_pitch = self.head_dim_v + _constants.SMEM_PAD
+        elems = self.block_rows * q_pitch + 2 * self.block_cols * (k_pitch + v_pitch)
+        return 2 * elems
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_fwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.qk_unroll, self.sparse,
+                         self.varlen, self.smem_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32Forward(_Launch):
+    """The exact-fp32 forward variant (kernels/flash_fwd_f32.cu, ``flash_fwd_f32_kernel``)."""
+
+    value_tiles: int  # DVT: O columns per lane, ceil(dv / 32)
+    causal: bool
+    warps: int = 4
+    rows_per_warp: int = 8
+    sparse: bool = False
+    varlen: bool = False
+
+    source = "flash_fwd_f32.cu"
+    key_prefix = "fwd"
+    dtype = "float32"
+    block_cols = 32  # one key per lane
+
+    @property
+    def block_rows(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    def smem_bytes(self, d: int, dv: int = 0) -> int:
+        elems = self.block_rows * d + self.block_cols * (d + 1) + self.block_cols * 32 * self.value_tiles
+        return 4 * elems
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_fwd_f32_kernel", self.value_tiles, self.warps, self.rows_per_warp, self.causal,
+                         self.sparse, self.varlen)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperForward(_Launch):
+    """A float16/bfloat16 forward on wgmma, sm_90a only (kernels/flash_fwd_sm90.cu): a producer
+    warpgroup fills a ring of ``stages`` K/V buffers, two consumer warpgroups own 64 query rows each."""
+
+    dtype: str
+    head_dim: int  # d = dv = head_dim exactly (64, 128 or 256)
+    block_cols: int
+    stages: int
+    overlap: bool  # S of the next tile issued before P V of this one
+    pingpong: bool  # the two consumer warpgroups take turns issuing matmuls
+    tma: bool  # bulk tensor copies (needs tensor maps: cuflash/_tma.py), else cp.async
+    persistent: bool  # one CTA per SM walks (query tile, slice) items; the next item's loads
+    # overlap this one's epilogue
+    causal: bool
+    sparse: bool = False
+    varlen: bool = False  # a packed variable-length batch (never persistent: one slice a CTA)
+
+    source = "flash_fwd_sm90.cu"
+    key_prefix = "fwd_sm90"
+    block_rows = 128  # both, like HopperBackward's, reach the kernel through kernel_defines()
+    warps = 12
+    # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
+    # bytes); the persistent head-dim-128 forms still spill up to 64 bytes. At 256, where O is
+    # 128 of a consumer's 232 registers, up to 144; it still runs at 1.8x the mma.sync kernel
+    # (bench/NOTES.md).
+    @property
+    def spill_allowance(self) -> int:
+        return 160 if self.head_dim == 256 else 128
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.head_dim
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        tiles = 2 * self.head_dim * (self.block_rows + 2 * self.stages * self.block_cols)
+        barriers = 8 * (2 + 4 * self.stages)
+        return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_fwd_sm90_kernel", self.dtype, self.head_dim, self.block_cols, self.stages,
+                         self.overlap, self.pingpong, self.tma, self.persistent, self.causal, self.sparse,
+                         self.varlen, self.smem_bytes())
+
+
+# ---- backward -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPreprocess(_Launch):
+    """D = rowsum(dO * O) and lse2 per query row (``flash_bwd_preprocess``)."""
+
+    dtype: str
+    warps: int = 8  # one row per warp
+    varlen: bool = False
+
+    source = "flash_bwd.cu"
+    key_prefix = "bwd_pre"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_bwd_preprocess", self.dtype, self.warps, self.varlen)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCoreBackward(_Launch):
+    """dK, dV (and atomic dQ) for float16/bfloat16 (``flash_bwd_kernel``), one CTA per key tile.
+
+    Each of the kernel's matmuls spreads the warps over its output tile in two dimensions:
+    ``warps_s_rows`` along the queries of S / dP, ``warps_kv_rows`` along the keys of dK / dV,
+    ``warps_dq_rows`` along the queries of dQ (the rest of the warps along the other side).
+    """
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    block_rows: int  # BR: queries per tile walked
+    block_cols: int  # BC: keys per CTA
+    warps: int
+    min_blocks: int
+    causal: bool
+    do_dk: bool
+    do_dv: bool
+    atomic_dq: bool
+    warps_s_rows: int = 2
+    warps_kv_rows: int = 4
+    warps_dq_rows: int = 2
+    k_unroll_s: int = 1  # unroll of the k-loops of S and dP
+    k_unroll_o: int = 1  # ... and of dV, dK and dQ
+    sparse: bool = False
+    varlen: bool = False
+
+    source = "flash_bwd.cu"
+    key_prefix = "bwd"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        k_pitch, v_pitch = self.head_dim + _constants.SMEM_PAD, self.head_dim_v + _constants.SMEM_PAD
+        br, bc = self.block_rows, self.block_cols
+        s_pitch = bc + _constants.SMEM_PAD
+        elems = bc * k_pitch + bc * v_pitch + 2 * br * k_pitch + 2 * br * v_pitch + 2 * br * s_pitch
+        return 4 * 3 * 2 * br + 2 * elems  # (m, log2 l) and D per query row, two stages
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
+                         self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows,
+                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.varlen, self.smem_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCoreBackwardDq(_Launch):
+    """Deterministic dQ for float16/bfloat16 (``flash_bwd_dq_kernel``), one CTA per query tile."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    block_rows: int
+    block_cols: int
+    warps: int
+    min_blocks: int
+    causal: bool
+    sparse: bool = False
+    varlen: bool = False
+
+    source = "flash_bwd.cu"
+    key_prefix = "bwd_dq"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        k_pitch, v_pitch = self.head_dim + _constants.SMEM_PAD, self.head_dim_v + _constants.SMEM_PAD
+        br, bc = self.block_rows, self.block_cols
+        return 2 * (br * k_pitch + br * v_pitch + 2 * bc * k_pitch + 2 * bc * v_pitch)
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_bwd_dq_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
+                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.varlen,
+                         self.smem_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32BackwardDkDv(_Launch):
+    """Exact-fp32 dK, dV (``flash_bwd_dkdv_f32_kernel``)."""
+
+    dim_tiles: int  # DT = DVT = ceil(max(d, dv) / 32)
+    causal: bool
+    warps: int = 4
+    keys_per_warp: int = 4
+    sparse: bool = False
+    varlen: bool = False
+
+    source = "flash_bwd_f32.cu"
+    key_prefix = "bwd_dkdv"
+    dtype = "float32"
+    block_rows = 32  # queries per tile walked: one per lane
+
+    @property
+    def block_cols(self) -> int:
+        return self.warps * self.keys_per_warp
+
+    def smem_bytes(self, d: int, dv: int) -> int:
+        bk, pitch = self.block_cols, 32 * self.dim_tiles + 1
+        return 4 * (bk * d + bk * dv + 2 * 32 * pitch)
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_bwd_dkdv_f32_kernel", self.dim_tiles, self.dim_tiles, self.warps,
+                         self.keys_per_warp, self.causal, self.sparse, self.varlen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32BackwardDq(_Launch):
+    """Exact-fp32 dQ (``flash_bwd_dq_f32_kernel``)."""
+
+    dim_tiles: int
+    causal: bool
+    warps: int = 4
+    rows_per_warp: int = 8
+    sparse: bool = False
+    varlen: bool = False
+
+    source = "flash_bwd_f32.cu"
+    key_prefix = "bwd_dq"
+    dtype = "float32"
+    block_cols = 32  # keys per tile walked: one per lane
+
+    @property
+    def block_rows(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    def smem_bytes(self, d: int, dv: int) -> int:
+        br = self.block_rows
+        return 4 * (br * d + br * dv + 32 * (32 * self.dim_tiles + 1) + 32 * (dv + 1))
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_bwd_dq_f32_kernel", self.dim_tiles, self.warps, self.rows_per_warp, self.causal,
+                         self.sparse, self.varlen)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBackward(_Launch):
+    """The key-tile pass of the backward on wgmma, sm_90a only (kernels/flash_bwd_sm90.cu);
+    the default for 16-bit d = dv in {64, 128} there (CUFLASH_WGMMA_BWD=0 or
+    wgmma_backward(False) for the mma.sync pass). One CTA per 128 keys walks query tiles of 64;
+    a producer warpgroup and two consumer warpgroups of 64 keys. With deterministic dQ the
+    mma.sync dQ kernel follows it."""
+
+    dtype: str
+    head_dim: int  # d = dv = head_dim exactly (64 or 128)
+    atomic_dq: bool
+    causal: bool
+    stages: int = 2
+    sparse: bool = False
+    bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
+    varlen: bool = False
+
+    source = "flash_bwd_sm90.cu"
+    key_prefix = "bwd_sm90"
+    block_rows = 64
+    block_cols = 128
+    warps = 12
+    # No allowance of its own: every variant spills at most 24 bytes (dense, hd128, atomic dQ).
+    # The block-sparse ones at head dim 128 with atomic dQ spilled 132-204 while the partial
+    # tiles' block look-ups sat inside the P^T loop (on top of dK, dV and dQ in 232 registers);
+    # they are a mask built before it now (partial_tile_keep, mask.cuh), and spill 0-16.
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.head_dim
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        hd, br, bc = self.head_dim, self.block_rows, self.block_cols
+        tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
+        dq_tile = 4 * br * 128  # fp32, for bulk_dq: hd128's tile, or hd64's two (one a warpgroup)
+        return tiles + self.stages * 3 * br * 4 + dq_tile + 8 * (1 + 2 * self.stages) + 1024
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
+                         self.causal, self.sparse, self.bulk_dq, self.varlen, self.smem_bytes())
+
+
+class BackwardPlan(typing.NamedTuple):
+    preprocess: BackwardPreprocess
+    key_passes: tuple  # kernels launched over key tiles
+    dq: object  # a kernel launched over query tiles, or None when dQ is accumulated atomically
+    atomic_dq: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReduce(_Launch):
+    """The backward's last step for float32 accumulators (kernels/grad_reduce.cu): sums the
+    slices of grouped heads (1 for dQ) and stores the gradient in the input dtype."""
+
+    dtype: str
+    warps: int = 8
+
+    source = "grad_reduce.cu"
+    elements_per_thread = 4  # one float4 a step
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    key_prefix = "grad_reduce"
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("grad_reduce_kernel", self.dtype, self.warps)
+
+
+# ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKvDecode(_Launch):
+    """The split-KV decoding kernel (``flash_decode_kernel``): block_rows packed query rows of
+    one (batch, k/v head) against one split of its keys. The warps form row_warps x
+    (warps / row_warps): each owns 16 rows and block_cols / (warps / row_warps) keys of every
+    tile; ``stages`` cp.async buffers."""
+
+    dtype: str
+    head_dim: int  # bucket of max(d, dv)
+    block_cols: int  # keys a tile
+    warps: int
+    stages: int
+    paged: bool
+    row_warps: int  # 16-row tiles a CTA
+
+    source = "flash_decode.cu"
+
+    @property
+    def block_rows(self) -> int:
+        return _constants.DECODE_ROW_TILE * self.row_warps
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, padded rows) and the page slots
+        of the stages plus one (int32)."""
+        pitch = self.head_dim + _constants.SMEM_PAD
+        tiles = 2 * (self.block_rows * pitch + 2 * self.stages * self.block_cols * pitch)
+        return tiles + 4 * (self.stages + 1) * (self.block_cols // _constants.DECODE_PAGE_GROUP)
+
+    key_prefix = "decode"
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_decode_kernel", self.dtype, self.head_dim, self.block_cols, self.warps, self.stages,
+                         self.paged, self.row_warps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCombine(_Launch):
+    """The merge of the splits' partial results (``flash_decode_combine_kernel``): one warp a row."""
+
+    dtype: str
+    warps: int = 4
+
+    source = "flash_decode.cu"
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        return 0
+
+    key_prefix = "decode_combine"
+
+    @property
+    def name_expression(self) -> str:
+        return _instance("flash_decode_combine_kernel", self.dtype, self.warps)
+
+
+def kernel_defines() -> dict:
+    """{macro: value} of the numbers every variant is built with: those of cuflash/_constants.py
+    and the Hopper kernels' fixed CTA shapes (read by kernels/common.cuh, tile_io.cuh, sm90.cuh,
+    flash_fwd_sm90.cu, flash_bwd_sm90.cu), passed by _loader.base_options()."""
+    from . import _tma  # the tensor maps' parameter block (numpy, ctypes): only when building
+    return {
+        "CUFLASH_SMEM_PAD": _constants.SMEM_PAD,
+        "CUFLASH_MAX_LEAD": _constants.MAX_LEAD_DIMS,
+        "CUFLASH_PARTIAL_TILE": _constants.PARTIAL_TILE,
+        "CUFLASH_STATS_ROW_MULTIPLE": _constants.STATS_ROW_MULTIPLE,
+        "CUFLASH_SM90_FWD_ROWS": HopperForward.block_rows,
+        "CUFLASH_SM90_FWD_WARPS": HopperForward.warps,
+        "CUFLASH_SM90_BWD_ROWS": HopperBackward.block_rows,
+        "CUFLASH_SM90_BWD_KEYS": HopperBackward.block_cols,
+        "CUFLASH_SM90_BWD_WARPS": HopperBackward.warps,
+        "CUFLASH_SM90_MAPS_BYTES": _tma.PARAM_BYTES,
+    }
