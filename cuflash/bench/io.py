@@ -71,14 +71,15 @@ import sys
 import tempfile
 from typing import NamedTuple, Optional
 
+from .. import _constants, _tiles
 from . import common
 
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 BWD_FLOP_FACTOR = MODE_FLOP_FACTOR["bwd"]
 STANDARD_MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.0, "fwdbwd": 3.0}
 STAT_BYTES = 4  # l, m, lse, D: float32
-STATS_ROW_MULTIPLE = 128  # cuflash pads lse / D rows to this (cuflash._constants)
-SPLIT_BACKWARD_ABOVE = 128  # head dims above this run the key pass twice (cuflash._tiles)
+STATS_ROW_MULTIPLE = _constants.STATS_ROW_MULTIPLE  # cuflash pads lse / D rows to this
+SPLIT_BACKWARD_ABOVE = _tiles.SPLIT_BACKWARD_ABOVE  # head dims above this run the key pass twice
 
 # The FlashAttention paper's Fig. 2: GPT-2 medium attention, forward + backward.
 GPT2_MEDIUM = {"seq": 1024, "hdim": 64, "heads": 16, "batch": 64}
