@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from cuflash import reference as ref
-from cuflash.distributed import (LAYOUTS, LocalAttention, SimulatedRing, _blocks, ring_attention, shard_sequence,
+torch = pytest.importorskip("torch")
+
+from cuflash import reference as ref  # noqa: E402
+from cuflash.distributed import (LAYOUTS, LocalAttention, SimulatedRing, _blocks, ring_attention, shard_sequence,  # noqa: E402
                                  unshard_sequence)
-from ring_util import REFERENCE_LOCAL, RecordingLocal, allowed_pairs, check_ring_result, random_problem, sharded, whole
+from ring_util import REFERENCE_LOCAL, RecordingLocal, allowed_pairs, check_ring_result, random_problem, sharded, whole  # noqa: E402
 
 # (batch, Hq, Hk, chunk length, d, dv): a rank's shard is one chunk (contiguous) or two (zigzag)
 SHAPES = (

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 transformers = pytest.importorskip("transformers")
 
