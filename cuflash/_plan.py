@@ -286,6 +286,15 @@ def _address_is_patchable(raw: bytes, ptr: int, geometry) -> bool:
 # ---- forward ---------------------------------------------------------------------------------
 
 
+def _check_vector_operands(operands, ptrs, dtype):
+    """The 16-bit kernels load 16-byte vectors: every operand's pointer and strides must allow it."""
+    if dtype == "float32":
+        return
+    for (name, shape, strides), ptr in zip(operands, ptrs):
+        if ptr & 15 or not _checks.vector_stride_ok(shape, strides, _checks.itemsize(dtype)):
+            raise _checks.vector_alignment_error(name, shape, strides, ptr, dtype)
+
+
 class ForwardPlan:
     """One forward signature's launch: ``run(q, k, v, o, l, m, stream)`` on raw pointers."""
 
@@ -351,10 +360,7 @@ def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_s
     num_batch = math.prod(layout.lead_shape)
     if num_batch == 0 or nq == 0:
         return ForwardPlan(device_id, dtype, o_shape, stats_shape, operands)
-    if dtype != "float32":
-        for (name, shape, strides), ptr in zip(operands, ptrs):
-            if ptr & 15 or not _checks.vector_stride_ok(shape, strides, _checks.itemsize(dtype)):
-                raise _checks.vector_alignment_error(name, shape, strides, ptr, dtype)
+    _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=_config.has_wgmma(cc),
                                      nq=nq, slices=num_batch, tma=tma)
@@ -464,6 +470,45 @@ class BackwardPlan:
 _WORKSPACE_ALIGN = 256
 
 
+def _check_forward_outputs(do_shape, o_shape, out_shape):
+    for name, shape in (("do", do_shape), ("o", o_shape)):
+        if tuple(shape) != out_shape:
+            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(shape)}")
+
+
+def _check_stats(stats, stats_shape):
+    """l and m as the forward returned them: ((shape, strides, dtype name), ...)."""
+    for name, (shape, st, stat_dtype) in zip(("l", "m"), stats):
+        contiguous = _is_c_contiguous(shape, st)
+        if tuple(shape) != stats_shape or stat_dtype != "float32" or not contiguous:
+            raise ValueError(
+                f"{name} must be the forward's C-contiguous float32 array of shape {stats_shape}, "
+                f"got shape {tuple(shape)}, dtype {stat_dtype}, contiguous {contiguous}"
+            )
+
+
+def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype):
+    """struct BwdParams with its pointers 0 (a call writes them); strides: do, q, k, v, o."""
+    return _words(struct.pack(BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2],
+                              strides[4][-2], int(dkv_in_dtype)))
+
+
+def _reduce_kernels(grads, out_lead, dtype, device_id):
+    """(Kernel, gradient index) of each gradient summed over broadcast or grouped heads on the GPU."""
+    reduces = []
+    for index, grad in enumerate(grads):
+        if grad.kind != "reduce":
+            continue
+        variant = _variants.GradientReduce(dtype)
+        inner = math.prod(grad.acc_shape[len(out_lead):])
+        outer = math.prod(grad.shape[:-2])
+        per_cta = variant.threads * variant.elements_per_thread
+        grid = (max(1, min(-(-outer * inner // per_cta), 16 * sm_count(device_id))), 1, 1)
+        block = _words(struct.pack(REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
+        reduces.append((Kernel(variant, device_id, grid, [block]), index))
+    return reduces
+
+
 def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
                              deterministic, ptrs):
     """shapes / strides (elements): do, q, k, v, o; stats: ((shape, strides, dtype name) of l, m)."""
@@ -476,28 +521,17 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
     out_lead = broadcast_layout(*qkv).out_lead_shape
     out_shape = out_lead + (nq, dv)
-    for name, shape in (("do", do_shape), ("o", o_shape)):
-        if tuple(shape) != out_shape:
-            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(shape)}")
+    _check_forward_outputs(do_shape, o_shape, out_shape)
     mask, window = _checks.check_sparsity(mask, None, window, nq, nk, out_lead)
     layout = _checks.layout_with_mask(qkv, ((do_shape, strides[0]), (o_shape, strides[4])), mask)
-    for name, (shape, st, stat_dtype) in zip(("l", "m"), stats):
-        contiguous = _is_c_contiguous(shape, st)
-        if tuple(shape) != out_shape[:-1] or stat_dtype != "float32" or not contiguous:
-            raise ValueError(
-                f"{name} must be the forward's C-contiguous float32 array of shape {out_shape[:-1]}, "
-                f"got shape {tuple(shape)}, dtype {stat_dtype}, contiguous {contiguous}"
-            )
+    _check_stats(stats, out_shape[:-1])
     scale = _checks.resolve_scale(scale, d)
     num_batch = math.prod(layout.lead_shape)
     grad_shapes = (q_shape, k_shape, v_shape)
     if num_batch == 0 or nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
         grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
         return BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
-    if dtype != "float32":
-        for (name, shape, st), ptr in zip(operands, ptrs):
-            if ptr & 15 or not _checks.vector_stride_ok(shape, st, _checks.itemsize(dtype)):
-                raise _checks.vector_alignment_error(name, shape, st, ptr, dtype)
+    _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
                                   hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
@@ -511,10 +545,7 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
     mask_strides = layout.extra_strides[-1] if mask is not None else ()
-    bwd_block = _words(struct.pack(
-        BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2], strides[4][-2],
-        int(kv_direct and dtype != "float32"),
-    ))
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32")
     fwd_blocks, kernels = [], []
 
     def add(variant, grid_x, transpose=False):
@@ -534,17 +565,7 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     if kplan.dq is not None:  # one CTA per query tile
         add(kplan.dq, -(-nq // kplan.dq.block_rows))
 
-    reduces = []
-    for index, grad in enumerate(grads):
-        if grad.kind != "reduce":
-            continue
-        variant = _variants.GradientReduce(dtype)
-        inner = math.prod(grad.acc_shape[len(out_lead):])
-        outer = math.prod(grad.shape[:-2])
-        per_cta = variant.threads * variant.elements_per_thread
-        grid = (max(1, min(-(-outer * inner // per_cta), 16 * sm_count(device_id))), 1, 1)
-        block = _words(struct.pack(REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
-        reduces.append((Kernel(variant, device_id, grid, [block]), index))
+    reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
 
     return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
                         tuple(fwd_blocks), bwd_block, tuple(reduces))
@@ -642,10 +663,7 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
         plan = ForwardPlan(device_id, dtype, o_shape, stats_shape, operands)
         plan.varlen = True
         return plan
-    if dtype != "float32":
-        for (name, shape, strides), ptr in zip(operands, ptrs):
-            if ptr & 15 or not _checks.vector_stride_ok(shape, strides, _checks.itemsize(dtype)):
-                raise _checks.vector_alignment_error(name, shape, strides, ptr, dtype)
+    _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     variant = _config.forward_config(dtype, d, dv, causal, wgmma=_config.has_wgmma(cc), nq=max_seqlen_q, tma=tma,
                                      varlen=True)
@@ -688,18 +706,10 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
     out_lead = broadcast_layout(*qkv).out_lead_shape
     out_shape = out_lead + (total_q, dv)
-    for name, shape in (("do", do_shape), ("o", o_shape)):
-        if tuple(shape) != out_shape:
-            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(shape)}")
+    _check_forward_outputs(do_shape, o_shape, out_shape)
     window = _checks.check_sparsity(None, None, window, total_q, total_k, out_lead)[1]
     layout = broadcast_layout(*qkv, extras=((do_shape, strides[0]), (o_shape, strides[4])))
-    for name, (shape, st, stat_dtype) in zip(("l", "m"), stats):
-        contiguous = _is_c_contiguous(shape, st)
-        if tuple(shape) != out_shape[:-1] or stat_dtype != "float32" or not contiguous:
-            raise ValueError(
-                f"{name} must be the forward's C-contiguous float32 array of shape {out_shape[:-1]}, "
-                f"got shape {tuple(shape)}, dtype {stat_dtype}, contiguous {contiguous}"
-            )
+    _check_stats(stats, out_shape[:-1])
     scale = _checks.resolve_scale(scale, d)
     heads = math.prod(layout.lead_shape)
     grad_shapes = (q_shape, k_shape, v_shape)
@@ -708,10 +718,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
         plan = BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
         plan.varlen = True
         return plan
-    if dtype != "float32":
-        for (name, shape, st), ptr in zip(operands, ptrs):
-            if ptr & 15 or not _checks.vector_stride_ok(shape, st, _checks.itemsize(dtype)):
-                raise _checks.vector_alignment_error(name, shape, st, ptr, dtype)
+    _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=_config.is_hopper(cc),
                                   wgmma=_config.has_wgmma(cc), varlen=True)
@@ -721,10 +728,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
-    bwd_block = _words(struct.pack(
-        BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2], strides[4][-2],
-        int(kv_direct and dtype != "float32"),
-    ))
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32")
     sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
     fwd_blocks, kernels = [], []
 
@@ -739,17 +743,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
         add(variant, varlen_grid_x(max_seqlen_k, total_k, variant.block_cols))
     if kplan.dq is not None:
         add(kplan.dq, varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
-    reduces = []
-    for index, grad in enumerate(grads):
-        if grad.kind != "reduce":
-            continue
-        variant = _variants.GradientReduce(dtype)
-        inner = math.prod(grad.acc_shape[len(out_lead):])
-        outer = math.prod(grad.shape[:-2])
-        per_cta = variant.threads * variant.elements_per_thread
-        grid = (max(1, min(-(-outer * inner // per_cta), 16 * sm_count(device_id))), 1, 1)
-        block = _words(struct.pack(REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
-        reduces.append((Kernel(variant, device_id, grid, [block]), index))
+    reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
     plan = BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
                         tuple(fwd_blocks), bwd_block, tuple(reduces))
     plan.varlen = True
