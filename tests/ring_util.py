@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from cuflash import reference as ref
-from cuflash.distributed import LocalAttention, shard_sequence, unshard_sequence
+from cuflash.distributed import LocalAttention, SimulatedRing, ring_attention, shard_sequence, unshard_sequence
 
 
 def _host64(t: torch.Tensor) -> np.ndarray:
@@ -75,6 +75,21 @@ def sharded(arrays, world_size, layout, *, dtype=torch.float64, device="cpu", re
 def whole(shards, layout) -> np.ndarray:
     """The whole-sequence float64 NumPy array of per-rank shards."""
     return unshard_sequence([s.detach().to("cpu", torch.float64) for s in shards], layout).numpy()
+
+
+def simulated_ring(qs, ks, vs, dos, world_size, layout, causal, *, local=None, between=None):
+    """Forward with stats over a SimulatedRing, then backward through autograd with the
+    sharded dO; ``between()`` runs after the forward (e.g. poisoning the cache). Whole-sequence
+    results as float64 arrays: (o, (dq, dk, dv), (l, m))."""
+    outs = ring_attention(qs, ks, vs, causal=causal, layout=layout, communicator=SimulatedRing(world_size),
+                          return_stats=True, local_attention=local)
+    assert len(outs) == world_size
+    if between is not None:
+        between()
+    torch.autograd.backward([out.o for out in outs], dos)
+    stats = tuple(whole([getattr(out, name)[..., None] for out in outs], layout)[..., 0] for name in "lm")
+    grads = tuple(whole([t.grad for t in shards], layout) for shards in (qs, ks, vs))
+    return whole([out.o for out in outs], layout), grads, stats
 
 
 def max_err(a, b) -> float:

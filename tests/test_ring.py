@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 from cuflash import reference as ref  # noqa: E402
 from cuflash.distributed import (LAYOUTS, LocalAttention, SimulatedRing, _blocks, ring_attention, shard_sequence,  # noqa: E402
                                  unshard_sequence)
-from ring_util import REFERENCE_LOCAL, RecordingLocal, allowed_pairs, check_ring_result, random_problem, sharded, whole  # noqa: E402
+from ring_util import (REFERENCE_LOCAL, RecordingLocal, allowed_pairs, check_ring_result, random_problem,  # noqa: E402
+                       sharded, simulated_ring, whole)
 
 # (batch, Hq, Hk, chunk length, d, dv): a rank's shard is one chunk (contiguous) or two (zigzag)
 SHAPES = (
@@ -32,13 +33,7 @@ def run_ring(arrays, world_size, layout, causal, local=REFERENCE_LOCAL):
     float64 results (o, (dq, dk, dv), (l, m))."""
     qs, ks, vs = sharded(arrays[:3], world_size, layout, requires_grad=True)
     (dos,) = sharded(arrays[3:], world_size, layout)
-    outs = ring_attention(qs, ks, vs, causal=causal, layout=layout, communicator=SimulatedRing(world_size),
-                          return_stats=True, local_attention=local)
-    assert len(outs) == world_size
-    torch.autograd.backward([out.o for out in outs], dos)
-    stats = tuple(whole([getattr(out, name)[..., None] for out in outs], layout)[..., 0] for name in "lm")
-    grads = tuple(whole([t.grad for t in shards], layout) for shards in (qs, ks, vs))
-    return whole([out.o for out in outs], layout), grads, stats
+    return simulated_ring(qs, ks, vs, dos, world_size, layout, causal, local=local)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -15,8 +15,8 @@ from conftest import HAS_GPU
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()), reason="needs a CUDA GPU and torch with CUDA")
 
-from cuflash.distributed import LAYOUTS, SimulatedRing, ring_attention  # noqa: E402
-from ring_util import check_ring_result, poison_torch_cache, random_problem, sharded, whole  # noqa: E402
+from cuflash.distributed import LAYOUTS  # noqa: E402
+from ring_util import check_ring_result, poison_torch_cache, random_problem, sharded, simulated_ring  # noqa: E402
 
 # (batch, Hq, Hk, chunk length, d, dv): a rank's shard is one chunk (contiguous) or two (zigzag)
 SHAPES = ((1, 4, 4, 113, 64, 64), (2, 4, 2, 17, 128, 128), (1, 2, 1, 1, 64, 64))
@@ -35,13 +35,7 @@ def bf16_ring(arrays, world_size, layout, causal, *, transposed=False):
     for t in (*qs, *ks, *vs):
         t.requires_grad_(True)
     poison_torch_cache(device)
-    outs = ring_attention(qs, ks, vs, causal=causal, layout=layout, communicator=SimulatedRing(world_size),
-                          return_stats=True)
-    poison_torch_cache(device)
-    torch.autograd.backward([out.o for out in outs], dos)
-    stats = tuple(whole([getattr(out, name)[..., None] for out in outs], layout)[..., 0] for name in "lm")
-    grads = tuple(whole([t.grad for t in shards], layout) for shards in (qs, ks, vs))
-    return whole([out.o for out in outs], layout), grads, stats
+    return simulated_ring(qs, ks, vs, dos, world_size, layout, causal, between=lambda: poison_torch_cache(device))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
