@@ -466,8 +466,16 @@ def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, work
     given a call allocates nothing (what a captured CUDA graph needs)."""
     import cupy
 
-    device_id = q.data.device_id
-    launch = bound_launch(plan, device_id)
+    return _run_launch(bound_launch(plan, q.data.device_id), q, k, v, page_table, seqlens_k, workspace, out,
+                       cupy.cuda.get_current_stream().ptr)
+
+
+def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace, out, stream):
+    """One call of a bound launch on CuPy arrays, on the current device: outputs and workspace
+    from CuPy's pool unless given."""
+    import cupy
+
+    plan = launch.plan
     if out is None:
         o = cupy.empty(plan.out_shape, dtype=q.dtype)
         l = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
@@ -485,7 +493,7 @@ def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, work
         ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
     launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
                0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
-               ws, cupy.cuda.get_current_stream().ptr)
+               ws, stream)
     return _api.AttentionOutput(o, l, m)
 
 
@@ -506,11 +514,4 @@ def run_routed(forward_plan, q, k, v, causal: bool, scale, window) -> _api.Atten
         launch = forward_plan.decode_launch = bound_launch(plan, device_id)
     stream, current = _api._stream_on(forward_plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):
-        plan = launch.plan
-        o = cupy.empty(plan.out_shape, dtype=q.dtype)
-        l = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
-        m = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
-        workspace = cupy.cuda.alloc(launch.workspace_bytes) if launch.workspace_bytes else None
-        launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, 0, 0,
-                   0 if workspace is None else workspace.ptr, stream)
-    return _api.AttentionOutput(o, l, m)
+        return _run_launch(launch, q, k, v, None, None, None, None, stream)
