@@ -98,7 +98,10 @@ def _stream_on(device_id):
 # array as block_mask, a list as window) take the normalising path every time.
 _forward_calls: dict = {}
 _backward_calls: dict = {}
-DECODE_MIN_KEYS = 256  # the shortest key range a call with few queries sends to the split-KV path
+# The shortest key range a call with few queries sends to the split-KV path. Measured on the
+# H200 (bench/NOTES.md, session 9; CUDA graphs, so GPU time alone), 1 query a head at batch 1-32:
+# the split-KV kernels beat the forward from 64 keys on (e.g. 4.2 against 7.5 us at 64 keys).
+DECODE_MIN_KEYS = 64
 
 
 def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import typing
 
@@ -287,10 +288,11 @@ def variants_for(arch: str):
 
 # ---- decoding -----------------------------------------------------------------------------
 
-# Splits aim at this many waves of CTAs (resident CTAs on every SM) ...
-DECODE_TARGET_WAVES = 2
-# ... with the last wave at least this full on average ...
-DECODE_WAVE_FILL = 0.9
+# Splits give every SM at least one CTA (this fraction of the SMs, so 16 splits of 8 CTAs count
+# on 132 SMs) and no more: measured on the H200 (bench/NOTES.md, session 9), once each SM holds
+# a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16
+# splits of 128 key tiles 3.86 TB/s, 64 of 32 tiles 3.63, 256 of 8 tiles 3.04) ...
+DECODE_SM_FILL = 0.9
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams.
 DECODE_MIN_TILES_PER_SPLIT = 4
@@ -322,43 +324,22 @@ def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> Sp
     return SplitKvDecode(dtype, hd, *_tiles.DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
 
 
-def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, ctas_per_sm: int) -> typing.Tuple[int, int]:
+def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int) -> typing.Tuple[int, int]:
     """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
-    is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles) and a wave ``sm_count`` x
-    ``ctas_per_sm`` CTAs. Every split keeps at least DECODE_MIN_TILES_PER_SPLIT tiles (and
-    there are at most MAX_DECODE_SPLITS). Of those counts, the fewest splits that give at least
-    DECODE_TARGET_WAVES waves with the last wave DECODE_WAVE_FILL full on average (CTAs of one
-    length finish together: 2.2 waves take as long as 3); failing that, the best-filled count
-    that reaches the waves; failing that (short caches), as many splits as there may be."""
-    key = (ctas_per_split, key_tiles, sm_count, ctas_per_sm)
-    if key not in _decode_splits_memo:  # a decode loop asks for the same few shapes every step
-        _decode_splits_memo[key] = _choose_decode_splits(*key)
-    return _decode_splits_memo[key]
-
-
-_decode_splits_memo: dict = {}
-
-
-def _choose_decode_splits(ctas_per_split, key_tiles, sm_count, ctas_per_sm):
+    is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles): the fewest splits that put a CTA
+    on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at least DECODE_MIN_TILES_PER_SPLIT
+    tiles (and at most MAX_DECODE_SPLITS splits); short caches take as many as those allow."""
     if key_tiles <= 0:
         return 1, 1
-    wave = sm_count * ctas_per_sm
     most = max(1, min(_constants.MAX_DECODE_SPLITS, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
-    best = None  # (fill, -splits, splits, per_split) of the counts that reach the waves
-    for wanted in range(1, most + 1):
-        per_split = -(-key_tiles // wanted)
-        splits = -(-key_tiles // per_split)  # none left without a tile
-        ctas = ctas_per_split * splits
-        if ctas < DECODE_TARGET_WAVES * wave:
-            continue
-        fill = ctas / (-(-ctas // wave) * wave)  # of the waves it takes, how full on average
-        if fill >= DECODE_WAVE_FILL:
-            return splits, per_split
-        best = max(best or (fill, -splits, splits, per_split), (fill, -splits, splits, per_split))
-    if best is not None:
-        return best[2], best[3]
-    per_split = -(-key_tiles // most)
-    return -(-key_tiles // per_split), per_split
+    target = DECODE_SM_FILL * sm_count
+    per_split = -(-key_tiles // min(most, max(1, math.ceil(target / ctas_per_split))))
+    # Whole tiles a split can leave fewer splits than asked: shorten them until the SMs are
+    # filled or the count reaches ``most``.
+    while (per_split > DECODE_MIN_TILES_PER_SPLIT and ctas_per_split * -(-key_tiles // per_split) < target
+           and -(-key_tiles // (per_split - 1)) <= most):
+        per_split -= 1
+    return -(-key_tiles // per_split), per_split  # none left without a tile
 
 
 def all_decode_variants():

@@ -20,12 +20,10 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _api, _checks, _config, _constants, _loader, _plan, _tiles, _variants
+from . import _api, _checks, _config, _constants, _plan, _tiles, _variants
 from .masks import window_option
 
-_DECODE_DTYPES = ("float16", "bfloat16")
-MAX_KEY_POSITION = 2**31 - 1
-_H200_SMEM_PER_SM = 228 * 1024  # plan_decode's default when no GPU is asked  # the kernel counts keys (and capacity + Nq) in 32 bits
+MAX_KEY_POSITION = 2**31 - 1  # the kernel counts keys (and capacity + Nq) in 32 bits
 
 # struct DecodeParams in kernels/flash_decode.cu, member by member (tests/test_decode.py
 # checks the header against it).
@@ -178,7 +176,7 @@ def routes_short_queries(q, k, v, block_mask=None) -> bool:
     least one query row, no block mask, at least ``_api.DECODE_MIN_KEYS`` keys, and a layout
     :func:`supports`. A few queries a head against many keys would occupy only a handful of
     the forward's 128-row query tiles while the split-KV kernels stream K and V on every SM;
-    below DECODE_MIN_KEYS the keys fit a tile or two of the forward: nothing to split. Every
+    below DECODE_MIN_KEYS the keys fit one tile of the forward: nothing to split. Every
     front end that routes (the CuPy API, the JAX adapter) asks here."""
     return (block_mask is None and math.prod(q.shape[:-1]) > 0 and k.shape[-2] >= _api.DECODE_MIN_KEYS
             and supports(q, k, v))
@@ -190,7 +188,7 @@ def _plan_layout(q, k, v, page_table):
         if not hasattr(x, "shape") or not hasattr(x, "strides"):
             raise TypeError(f"{name} must be a GPU array, got {type(x).__module__}.{type(x).__name__}")
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    if dtype not in _DECODE_DTYPES:
+    if dtype not in _constants.TENSOR_CORE_DTYPES:
         raise TypeError(f"decoding takes float16 or bfloat16, got q {_shape_text(q)}")
     devices = {x.device.id for x in (q, k, v)}
     if len(devices) != 1:
@@ -237,12 +235,10 @@ def _plan_layout(q, k, v, page_table):
 
 
 def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=None, seqlens_k=None,
-                num_splits=None, sm_count: int = 132, ctas_per_sm=None) -> DecodePlan:
+                num_splits=None, sm_count: int = 132) -> DecodePlan:
     """Every check and choice of :func:`decode_attention`, on the host only (arrays need
     shape, strides, dtype, ``data.ptr`` and ``device.id``; nothing is read from the GPU).
-    ``sm_count`` / ``ctas_per_sm``: the GPU's size, for choosing the number of splits;
-    ctas_per_sm is an int or a function of the variant, by default what shared memory
-    allows on an H100/H200 (228 KB an SM)."""
+    ``sm_count``: the GPU's size, for choosing the number of splits (by default an H100's / H200's)."""
     dtype, layout = _plan_layout(q, k, v, page_table)
     paged = page_table is not None
     batch, device_id = layout["batch"], q.device.id
@@ -272,11 +268,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         raise ValueError(f"{num_bh * rows} query rows exceed the 2^31 the decoding kernels count: q {_shape_text(q)}")
     key_tiles = -(-capacity // variant.block_cols)
     if forced is None:
-        if ctas_per_sm is None:
-            ctas_per_sm = _ctas_per_sm_by_smem(variant, _H200_SMEM_PER_SM)
-        elif callable(ctas_per_sm):
-            ctas_per_sm = ctas_per_sm(variant)
-        splits, tiles_per_split = _config.decode_splits(num_bh * row_tiles, key_tiles, sm_count, ctas_per_sm)
+        splits, tiles_per_split = _config.decode_splits(num_bh * row_tiles, key_tiles, sm_count)
     else:  # as given, even where some splits get no tile (they write the empty state)
         splits, tiles_per_split = forced, max(1, -(-key_tiles // forced))
     fields = dict(
@@ -300,30 +292,6 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         group=layout["group"], nq=layout["nq"], capacity=capacity, d=layout["d"], dv=layout["dv"],
         out_shape=tuple(q.shape[:-1]) + (layout["dv"],), fields=fields,
     )
-
-
-def _ctas_per_sm_by_smem(variant, smem_per_sm: int) -> int:
-    """CTAs of ``variant`` one SM's shared memory holds (each CTA also reserves 1 KB)."""
-    return max(1, smem_per_sm // (variant.smem_bytes() + 1024))
-
-
-_resident: dict = {}  # (device id, variant key) -> CTAs an SM holds
-
-
-def _ctas_per_sm(variant, device_id: int) -> int:
-    """CTAs of ``variant`` resident on one SM of the device: bounded by shared memory and by
-    registers (the kernel's count from its build)."""
-    key = (device_id, variant.key)
-    if key not in _resident:
-        import cupy
-
-        attr = cupy.cuda.runtime.deviceGetAttribute
-        smem = attr(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)
-        regs = attr(cupy.cuda.runtime.cudaDevAttrMaxRegistersPerMultiprocessor, device_id)
-        per_thread = -(-_loader.get_kernel(variant).num_regs // 8) * 8  # allocated 8 at a time
-        by_regs = max(1, regs // (per_thread * variant.threads))
-        _resident[key] = min(_ctas_per_sm_by_smem(variant, smem), by_regs)
-    return _resident[key]
 
 
 # ---- the call -------------------------------------------------------------------------------
@@ -381,8 +349,7 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
             plan = None  # plan_decode raises the alignment error
         if plan is None:
             plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id),
-                               ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
+                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id))
             if key is not None:
                 _plan.remember(_plans, key, plan)
         return run_plan(plan, q, k, v, page_table=page_table, seqlens_k=seqlens_k)
@@ -417,8 +384,7 @@ class DecodeLaunch:
                            scale_log2=plan.fields["scale_log2"])
             block = _plan._words(struct.pack(_fmt(_COMBINE_PARAM_FIELDS), *(
                 combine[name] for name, _ in _COMBINE_PARAM_FIELDS)))
-            blocks = -(-plan.total_rows // plan.combine.warps)
-            self.combine = _plan.Kernel(plan.combine, device_id, (blocks, 1, 1), [block])
+            self.combine = _plan.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
         self.ctx = _plan.device_context(device_id)
         self.lock = threading.Lock()
 
@@ -509,8 +475,7 @@ def run_routed(forward_plan, q, k, v, causal: bool, scale, window) -> _api.Atten
     if launch is None or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning raises alignment errors
         device_id = q.data.device_id
         with q.device:
-            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_plan.sm_count(device_id),
-                               ctas_per_sm=lambda variant: _ctas_per_sm(variant, device_id))
+            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_plan.sm_count(device_id))
         launch = forward_plan.decode_launch = bound_launch(plan, device_id)
     stream, current = _api._stream_on(forward_plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):

@@ -30,21 +30,21 @@ from ._constants import MAX_LEAD_DIMS
 # ---- the driver ------------------------------------------------------------------------------
 
 class _Driver:
-    """The driver calls a plan makes. Launches and memsets go through CuPy's compiled bindings
-    (3.5 us a launch on the H200's host, against 5.0 us through ctypes); the context calls,
-    which CuPy does not bind, through ctypes."""
+    """The driver calls a plan makes. Launches, memsets and the current-context query go through
+    CuPy's compiled bindings (3.5 us a launch on the H200's host, against 5.0 us through ctypes);
+    pushing and popping a context, which CuPy does not bind, through ctypes."""
 
     def __init__(self):
         from cupy_backends.cuda.api import driver, runtime
 
         self._launch, self._memset = driver.launchKernel, runtime.memsetAsync
+        self.current_context = driver.ctxGetCurrent  # compiled (through ctypes, with its out-parameter: 0.73 us)
         self._errors = (driver.CUDADriverError, runtime.CUDARuntimeError)
         lib = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuCtxGetCurrent", "cuCtxPopCurrent_v2"):
-            getattr(lib, name).argtypes = (ctypes.POINTER(ctypes.c_void_p),)
+        lib.cuCtxPopCurrent_v2.argtypes = (ctypes.POINTER(ctypes.c_void_p),)
         lib.cuCtxPushCurrent_v2.argtypes = (ctypes.c_void_p,)
         lib.cuGetErrorName.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-        self.cuCtxGetCurrent, self.cuCtxPushCurrent_v2 = lib.cuCtxGetCurrent, lib.cuCtxPushCurrent_v2
+        self.cuCtxPushCurrent_v2 = lib.cuCtxPushCurrent_v2
         self.cuCtxPopCurrent_v2, self.cuGetErrorName = lib.cuCtxPopCurrent_v2, lib.cuGetErrorName
 
     def launch_kernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv) -> int:
@@ -83,9 +83,7 @@ def device_context(device_id: int) -> int:
 
     with cupy.cuda.Device(device_id):
         cupy.cuda.runtime.free(0)  # makes the primary context current on this thread
-        ctx = ctypes.c_void_p()
-        _check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    return ctx.value
+        return _driver().current_context()
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,9 +158,7 @@ class Context:
 
     def __enter__(self):
         drv = _driver()
-        current = ctypes.c_void_p()
-        drv.cuCtxGetCurrent(ctypes.byref(current))
-        self.pushed = current.value != self.ctx
+        self.pushed = drv.current_context() != self.ctx
         if self.pushed:
             _check(drv.cuCtxPushCurrent_v2(self.ctx), "cuCtxPushCurrent")
         return drv
@@ -442,7 +438,8 @@ class BackwardPlan:
                     raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
 
     def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q=0, cu_seqlens_k=0):
-        self.check((do, q, k, v, o))
+        if self.vectors and (do | q | k | v | o) & 15:
+            self.check((do, q, k, v, o))
         outs = (dq, dk, dv)
         with self.lock, Context(self.ctx) as drv:
             if self.zero_grads:
@@ -559,7 +556,7 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
         kernel.lists = lists
         kernels.append(kernel)
 
-    add(kplan.preprocess, nq_pad // kplan.preprocess.warps)
+    add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
     for variant in kplan.key_passes:  # one CTA per key tile: the transposed lists
         add(variant, -(-nk // variant.block_cols), transpose=True)
     if kplan.dq is not None:  # one CTA per query tile
@@ -738,7 +735,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
         kernels.append(Kernel(variant, device_id, slice_grid(grid_x, heads * num_seqs), [block, bwd_block], d, dv))
 
     stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
-    add(kplan.preprocess, max(1, stats_rows // kplan.preprocess.warps))
+    add(kplan.preprocess, max(1, -(-stats_rows // kplan.preprocess.rows_a_cta(dv))))
     for variant in kplan.key_passes:
         add(variant, varlen_grid_x(max_seqlen_k, total_k, variant.block_cols))
     if kplan.dq is not None:

@@ -201,6 +201,17 @@ class BackwardPreprocess(_Launch):
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         return 0
 
+    def rows_a_cta(self, dv: int) -> int:
+        """Rows a CTA takes at once: 16-bit rows are read by ``width`` lanes in 16-byte vectors
+        (preprocess_width in flash_bwd.cu), so a warp takes 32 / width of them. The kernel
+        walks its rows in steps of the grid: this sizes the grid, correctness does not rest on it."""
+        if self.dtype == "float32":  # one warp a row
+            return self.warps
+        width = 1
+        while width < 32 and width * 8 < dv:
+            width *= 2
+        return self.warps * (32 // width)
+
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_preprocess", self.dtype, self.warps, self.varlen)
@@ -454,7 +465,8 @@ class SplitKvDecode(_Launch):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCombine(_Launch):
-    """The merge of the splits' partial results (``flash_decode_combine_kernel``): one warp a row."""
+    """The merge of the splits' partial results (``flash_decode_combine_kernel``): one CTA a row,
+    its warps taking the splits in turn."""
 
     dtype: str
     warps: int = 4

@@ -203,10 +203,10 @@ def _trace_device():
 
 
 def _gpu_size(device):
-    """plan_decode's sm_count and ctas_per_sm for ``device`` (None: its defaults)."""
+    """plan_decode's sm_count for ``device`` (None: its default)."""
     if device is None:
         return {}
-    return dict(sm_count=_plan.sm_count(device), ctas_per_sm=lambda variant: _decode._ctas_per_sm(variant, device))
+    return dict(sm_count=_plan.sm_count(device))
 
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")

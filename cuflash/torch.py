@@ -76,8 +76,11 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
                                   (q.data_ptr(), k.data_ptr(), v.data_ptr()))
         plan.decode = _routes_short_queries(q, k, v, mask, plan)
         _plan.remember(_forward_calls, key, plan)
-    if route and plan.decode:
-        return (*_decode_impl(q, k, v, causal, scale, window), plan)
+    if route and plan.decode:  # the bound decoding launch is kept on the forward plan: no second look-up
+        launch = plan.decode_launch
+        if launch is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            launch = plan.decode_launch = _decode_launch((q, k, v, None, None), causal, scale, window, None)
+        return (*_decode_run(launch, q, k, v, None, None), plan)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
@@ -153,20 +156,25 @@ def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None
     key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
         causal, scale, window, num_splits)
     launch = _decode_plans.get(key)
-    if launch is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        launch = None  # planning again raises the alignment error
-    if launch is None:
-        import cupy
-
-        device = _check_cuda(*(t for t in tensors if t is not None))
-        with cupy.cuda.Device(device.index):
-            views = [None if t is None else _views.torch_view(t, same_stream=True) for t in tensors]
-            plan = _decode.plan_decode(*views[:3], causal=causal, scale=scale, window=window, page_table=views[3],
-                                       seqlens_k=views[4], num_splits=num_splits,
-                                       sm_count=_plan.sm_count(device.index),
-                                       ctas_per_sm=lambda variant: _decode._ctas_per_sm(variant, device.index))
-            launch = _decode.bound_launch(plan, device.index)
+    if launch is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # planning raises alignment errors
+        launch = _decode_launch(tensors, causal, scale, window, num_splits)
         _plan.remember(_decode_plans, key, launch)
+    return _decode_run(launch, q, k, v, page_table, seqlens_k)
+
+
+def _decode_launch(tensors, causal, scale, window, num_splits):
+    """The bound decoding launch of (q, k, v, page_table, seqlens_k), planned on zero-copy views."""
+    import cupy
+
+    device = _check_cuda(*(t for t in tensors if t is not None))
+    with cupy.cuda.Device(device.index):
+        views = [None if t is None else _views.torch_view(t, same_stream=True) for t in tensors]
+        plan = _decode.plan_decode(*views[:3], causal=causal, scale=scale, window=window, page_table=views[3],
+                                   seqlens_k=views[4], num_splits=num_splits, sm_count=_plan.sm_count(device.index))
+        return _decode.bound_launch(plan, device.index)
+
+
+def _decode_run(launch, q, k, v, page_table, seqlens_k):
     plan, device = launch.plan, q.device
     o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)

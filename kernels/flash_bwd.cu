@@ -26,9 +26,35 @@
 namespace cuflash {
 
 // ---- preprocess: D = rowsum(dO o O), (m, log2 l) ---------------------------------------------
-// One warp per row; rows in [nq, nq_pad) get D = 0 and (m, log2 l) = (+inf, 0), so that padded
-// rows of a statistics tile contribute P = 0. VARLEN: the rows of one sequence, padded to a
-// multiple of kStatsRowMultiple, walked in steps of the grid (which max_seqlen_q sized).
+// Rows in [nq, nq_pad) get D = 0 and (m, log2 l) = (+inf, 0), so that padded rows of a
+// statistics tile contribute P = 0. 16-bit rows are read in 16-byte vectors by `width` lanes
+// (preprocess_width: the power of two that covers dv, at most 32), so a warp takes 32 / width
+// rows at a time; float32 rows one warp a row, element by element (their rows need not be
+// 16-byte aligned). Every CTA and warp walks its rows in steps of the whole grid, so the grid
+// (PREPROCESS rows a CTA on the host) sets only how the work is spread. The slice's pointers
+// are computed once a CTA. VARLEN: the rows of one sequence, padded to a multiple of
+// kStatsRowMultiple.
+template <typename T>
+__device__ __forceinline__ int preprocess_width(int dv) {
+    if constexpr (sizeof(T) != 2) return 32;
+    int width = 1;
+    while (width < 32 && width * 8 < dv) width *= 2;
+    return width;
+}
+
+template <typename T>
+__device__ __forceinline__ float dot8(const T* a, const T* b) {  // 8 elements, 16-byte aligned
+    const uint4 x = *reinterpret_cast<const uint4*>(a), y = *reinterpret_cast<const uint4*>(b);
+    const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 u = unpack2<T>(xs[i]), w = unpack2<T>(ys[i]);
+        acc = fmaf(u.x, w.x, fmaf(u.y, w.y, acc));
+    }
+    return acc;
+}
+
 template <typename T, int NWARPS, bool VARLEN>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
@@ -37,33 +63,32 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SliceGeometry g = slice_geometry<VARLEN>(p, bidx, b.nq_pad);
     const i64 nq = g.nq, n_rows = VARLEN ? (i64)tiles_of(nq, kStatsRowMultiple) * kStatsRowMultiple : b.nq_pad;
-    auto preprocess_row = [&](const i64 row) {
-        const i64 stat = g.stats + row;
-        if (row >= nq) {
-            if (lane == 0) { b.delta[stat] = 0.f; b.lse2[2 * stat] = pos_inf(); b.lse2[2 * stat + 1] = 0.f; }
-            return;
-        }
-        const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
-        const T* dout = in.dout + row * b.do_row_stride;
-        const T* out = in.out + row * b.o_row_stride;
+    const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
+    const int dv = (int)p.dv, width = preprocess_width<T>(dv);
+    const int per_warp = 32 / width, sub = lane / width, col = lane % width;
+    const i64 step = (i64)gridDim.x * NWARPS * per_warp;
+#pragma unroll 1
+    for (i64 first = ((i64)blockIdx.x * NWARPS + warp) * per_warp; first < n_rows; first += step) {  // warp-uniform
+        const i64 row = first + sub;
         float acc = 0.f;
-        for (int c = lane; c < p.dv; c += 32) acc = fmaf(to_float(dout[c]), to_float(out[c]), acc);
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) {
-            const float l = b.l[g.rows + row], m = b.m[g.rows + row];
+        if (row < nq) {
+            const T* dout = in.dout + row * b.do_row_stride;
+            const T* out = in.out + row * b.o_row_stride;
+            if constexpr (sizeof(T) == 2) {
+                for (int c = 8 * col; c < dv; c += 8 * width) acc += dot8(dout + c, out + c);
+            } else {
+                for (int c = col; c < dv; c += width) acc = fmaf(to_float(dout[c]), to_float(out[c]), acc);
+            }
+        }
+        for (int o = width / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (col == 0 && row < n_rows) {
+            const i64 stat = g.stats + row;
+            const float l = row < nq ? b.l[g.rows + row] : 0.f, m = row < nq ? b.m[g.rows + row] : 0.f;
             b.delta[stat] = acc;
-            // A row that saw no key (l = 0) must give P = 0 everywhere: m = +inf, not -inf.
+            // A row that saw no key (l = 0), or a padded one, must give P = 0 everywhere: m = +inf.
             b.lse2[2 * stat] = l > 0.f ? m : pos_inf();
             b.lse2[2 * stat + 1] = l > 0.f ? log2f(l) : 0.f;
         }
-    };
-    const i64 first = (i64)blockIdx.x * NWARPS + warp;
-    if constexpr (!VARLEN) {
-        if (first < n_rows) preprocess_row(first);
-    } else {
-#pragma unroll 1
-        for (i64 row = first; row < n_rows; row += (i64)gridDim.x * NWARPS) preprocess_row(row);
     }
 }
 

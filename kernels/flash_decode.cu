@@ -440,55 +440,78 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
 }
 
-// The exact merge of the splits' (o / l, l, m) by their log-sum-exp: one warp a row. With
-// M = max_s m_s and w_s = l_s exp(scale (m_s - M)): l = sum_s w_s, o = sum_s w_s o_s / l.
-// Empty splits (l = 0, m = -inf) weigh 0; a row with no key anywhere gets o = 0, l = 0, m = -inf.
+// The exact merge of the splits' (o / l, l, m) by their log-sum-exp: one CTA a row, its warps
+// taking the splits in turn (a warp a row left a batch-1 call with up to 256 splits to a
+// handful of warps, each reading every split in series). With M = max_s m_s and
+// w_s = l_s exp(scale (m_s - M)): l = sum_s w_s, o = sum_s w_s o_s / l. Empty splits
+// (l = 0, m = -inf) weigh 0; a row with no key anywhere gets o = 0, l = 0, m = -inf.
+template <int NWARPS>
+__device__ __forceinline__ float combine_block_reduce(float x, bool is_max, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = is_max ? fmaxf(x, y) : x + y;
+    }
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < NWARPS; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+    __syncthreads();  // scratch is reused
+    return x;
+}
+
 template <typename T, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_decode_combine_kernel(const __grid_constant__ DecodeCombineParams p) {
-    const int lane = threadIdx.x % 32;
-    const i64 row = (i64)blockIdx.x * NWARPS + threadIdx.x / 32;
-    if (row >= p.total_rows) return;
+    __shared__ float scratch[NWARPS];
+    __shared__ float4 partial[NWARPS][32];
+    const i64 row = blockIdx.x;  // the grid has one CTA a row
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int splits = (int)p.num_splits;
     const float scale_log2 = (float)p.scale_log2;
     const i64 stride = p.total_rows;  // between splits, in rows
 
     float m_all = neg_inf();
-    for (int s = lane; s < splits; s += 32) m_all = fmaxf(m_all, p.ws_m[s * stride + row]);
-#pragma unroll
-    for (int x = 16; x > 0; x /= 2) m_all = fmaxf(m_all, __shfl_xor_sync(0xffffffffu, m_all, x));
+    for (int s = threadIdx.x; s < splits; s += NWARPS * 32) m_all = fmaxf(m_all, p.ws_m[s * stride + row]);
+    m_all = combine_block_reduce<NWARPS>(m_all, true, scratch);
     const float base = m_all == neg_inf() ? 0.f : m_all;
     auto weight = [&](int s) {
-        return s < splits ? p.ws_l[s * stride + row] * fast_exp2((p.ws_m[s * stride + row] - base) * scale_log2) : 0.f;
+        return p.ws_l[s * stride + row] * fast_exp2((p.ws_m[s * stride + row] - base) * scale_log2);
     };
     float l_all = 0.f;
-    for (int s = lane; s < splits; s += 32) l_all += weight(s);
-#pragma unroll
-    for (int x = 16; x > 0; x /= 2) l_all += __shfl_xor_sync(0xffffffffu, l_all, x);
+    for (int s = threadIdx.x; s < splits; s += NWARPS * 32) l_all += weight(s);
+    l_all = combine_block_reduce<NWARPS>(l_all, false, scratch);
     const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
 
     const int dv = (int)p.dv;
-    for (int c0 = 0; c0 < dv; c0 += 4 * 32) {  // every lane runs every pass: the shuffles need all 32
+    for (int c0 = 0; c0 < dv; c0 += 4 * 32) {  // every thread runs every pass: the barriers need all
         const int c = c0 + 4 * lane;
-        const bool mine = c < dv;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s0 = 0; s0 < splits; s0 += 32) {
-            const float my_weight = weight(s0 + lane);  // lanes take turns holding the weights
-            const int count = splits - s0 < 32 ? splits - s0 : 32;
-            for (int j = 0; j < count; ++j) {
-                const float w = __shfl_sync(0xffffffffu, my_weight, j);
-                if (!mine || w == 0.f) continue;  // an empty split adds nothing: skip its read
-                const float4 x = *reinterpret_cast<const float4*>(p.ws_o + ((s0 + j) * stride + row) * dv + c);
+        if (c < dv) {
+#pragma unroll 4
+            for (int s = warp; s < splits; s += NWARPS) {
+                const float w = weight(s);
+                if (w == 0.f) continue;  // an empty split adds nothing: skip its read
+                const float4 x = *reinterpret_cast<const float4*>(p.ws_o + (s * stride + row) * dv + c);
                 acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
             }
         }
-        if (mine) {
+        partial[warp][lane] = acc;
+        __syncthreads();
+        if (warp == 0 && c < dv) {
+#pragma unroll
+            for (int w = 1; w < NWARPS; ++w) {
+                const float4 x = partial[w][lane];
+                acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+            }
             T* out = static_cast<T*>(p.o) + row * dv + c;
             *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(acc.x * inv_l, acc.y * inv_l),
                                                         pack2<T>(acc.z * inv_l, acc.w * inv_l));
         }
+        __syncthreads();
     }
-    if (lane == 0) {
+    if (threadIdx.x == 0) {
         p.l[row] = l_all;
         p.m[row] = m_all == neg_inf() ? m_all : m_all * (float)p.scale;
     }

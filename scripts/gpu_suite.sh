@@ -33,7 +33,11 @@ for stage in $stages; do
     warm)  # build every variant for this GPU in parallel, into CuPy's disk cache
       summary+=("warm: $(python3 -m cuflash.compile_check --warm 2>&1 | tail -n 1) ($SECONDS s)")
       ;;
-    tests)  # -v: every result line names its test as it lands, so a cut-off run still says which ran
+    tests)  # -v: every result line names its test as it lands, so a cut-off run still says which ran;
+      # CUFLASH_TEST_TIMES (tests/conftest.py): every test's time, to keep the suite inside its time
+      # One BLAS thread a worker: twelve workers each spinning sixteen OpenBLAS threads on sixteen
+      # cores made the float64 references (and so the suite) slower (session 9: see bench/NOTES.md).
+      export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
       budget=$(left)
       [[ " $stages " == *" bench "* ]] && budget=$(left "$bench_share")
       extra=()
@@ -41,7 +45,7 @@ for stage in $stages; do
       targets=(tests)
       [ -n "${TEST_LIST:-}" ] && mapfile -t targets < "$TEST_LIST"
       python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${TEST_TIMEOUT:-180}")
-      timeout --kill-after=10 "$budget" python3 -m pytest "${targets[@]}" -v -rs -p no:cacheprovider \
+      CUFLASH_TEST_TIMES="$OUT/test_times.txt" timeout --kill-after=10 "$budget" python3 -m pytest "${targets[@]}" -v -rs -p no:cacheprovider \
         -n "${PYTEST_WORKERS:-12}" "${extra[@]}" 2>&1 | tee "$OUT/tests.log" >/dev/null
       rc=${PIPESTATUS[0]}
       if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -50,12 +54,15 @@ for stage in $stages; do
       else
         summary+=("tests (${markers:-all}): $(tail -n 1 "$OUT/tests.log") ($SECONDS s)")
       fi
+      [ -f "$OUT/test_times.txt" ] && sort -rn "$OUT/test_times.txt" -o "$OUT/test_times.txt"
       failed=$(grep -E " (FAILED|ERROR) tests/" "$OUT/tests.log" | sed 's/^.* \(FAILED\|ERROR\) /\1 /' | sort -u)
       [ -n "$failed" ] && summary+=("$failed")
       ;;
     bench)  # cuflash-bench, the default run: speed, memory, io, sparse, host and e2e tables
+      plot=(--plot "$OUT/bench.png")  # the plot draws the speed table: only where one is made
+      [[ "${BENCH_ARGS:-}" == *--tables* && "${BENCH_ARGS:-}" != *speed* ]] && plot=()
       timeout --kill-after=10 "$(left)" python3 -m bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \
-        --csv "$OUT/bench.csv" --plot "$OUT/bench.png" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
+        --csv "$OUT/bench.csv" "${plot[@]}" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
       summary+=("bench: rc=${PIPESTATUS[0]} ($SECONDS s; tables above, $OUT/bench.md)")
       ;;
     compile)  # NVRTC's report of every variant (CI builds them too); not in the default stages

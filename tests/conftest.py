@@ -72,3 +72,14 @@ def poisoned_pool():
 def rng(request):
     """Fresh random inputs per test: the seed comes from the test's id and numpy's entropy."""
     return np.random.default_rng()
+
+
+def pytest_runtest_logreport(report):
+    """With CUFLASH_TEST_TIMES=FILE, each test's call time is appended to FILE as it finishes,
+    so a run cut off by the GPU suite's time limit still says which tests took it."""
+    import os
+
+    path = os.environ.get("CUFLASH_TEST_TIMES")
+    if path and report.when == "call" and not os.environ.get("PYTEST_XDIST_WORKER"):  # once: in the controller
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")

@@ -218,34 +218,36 @@ def test_supports():
 @pytest.mark.parametrize("batch", (1, 2, 8, 64, 128))
 @pytest.mark.parametrize("kv_len", (1, 1000, 8192, 131072))
 @pytest.mark.parametrize("heads", ((32, 8, 1), (32, 1, 1), (32, 1, 16), (8, 8, 3)))
-def test_auto_splits_fill_the_gpu_but_keep_tiles_per_split(batch, kv_len, heads):
+def test_auto_splits_fill_the_sms_but_keep_tiles_per_split(batch, kv_len, heads):
     hq, hk, nq = heads
-    sms, resident = 132, 2
-    p = plan(arr((batch, hq, nq, 128)), arr((batch, hk, kv_len, 128)), sm_count=sms, ctas_per_sm=resident)
+    sms = 132
+    p = plan(arr((batch, hq, nq, 128)), arr((batch, hk, kv_len, 128)), sm_count=sms)
     key_tiles = -(-kv_len // p.variant.block_cols)
     assert 1 <= p.num_splits <= _constants.MAX_DECODE_SPLITS
     assert (p.num_splits - 1) * p.tiles_per_split < key_tiles <= p.num_splits * p.tiles_per_split  # none empty
     if p.num_splits > 1:
         assert p.tiles_per_split >= _config.DECODE_MIN_TILES_PER_SPLIT
-    waves = p.num_bh * p.grid_x / (sms * resident)
+    ctas_per_split = p.num_bh * p.row_tiles
     most = min(_constants.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT)
-    if p.num_bh * p.row_tiles * most >= _config.DECODE_TARGET_WAVES * sms * resident:
-        assert waves >= _config.DECODE_TARGET_WAVES
-    elif p.num_splits > 1:  # the target is out of reach: as many splits as the tiles allow
+    if ctas_per_split * most >= _config.DECODE_SM_FILL * sms:  # reachable: the SMs are filled, by few splits
+        assert ctas_per_split * p.num_splits >= _config.DECODE_SM_FILL * sms
+        assert ctas_per_split * (p.num_splits - 1) < 1.1 * sms  # and not many more: long splits stream faster
+    elif p.num_splits > 1:  # out of reach: as many splits as the tiles allow
         assert p.tiles_per_split == -(-key_tiles // most)
 
 
-def test_splits_avoid_a_nearly_empty_last_wave():
-    """8 x 8 (batch, k/v head) over 264 CTA slots: 9 splits would be 2.2 waves (as long as 3)."""
-    p = plan(arr((8, 32, 1, 128)), arr((8, 8, 32768, 128)), sm_count=132, ctas_per_sm=2)
-    waves = p.num_bh * p.grid_x / 264
-    assert waves >= 2 and waves / np.ceil(waves) >= _config.DECODE_WAVE_FILL
-    assert p.num_splits == 12  # the fewest that fill: 2.9 waves
+def test_large_batches_take_one_split():
+    """8 x 8 (batch, k/v head) rows fill 64 of 132 SMs: two splits; 32 x 8 fill them all: one
+    (the kernel writes o itself, no combine)."""
+    p = plan(arr((8, 32, 1, 128)), arr((8, 8, 32768, 128)), sm_count=132)
+    assert p.num_splits == 2
+    p = plan(arr((32, 32, 1, 128)), arr((32, 8, 8192, 128)), sm_count=132)
+    assert p.num_splits == 1 and p.combine is None
 
 
 def test_long_single_sequence_is_spread_over_every_sm():
-    p = plan(arr((1, 32, 1, 128)), arr((1, 8, 131072, 128)), sm_count=132, ctas_per_sm=2)
-    assert p.num_bh * p.grid_x >= 2 * 132 * 2
+    p = plan(arr((1, 32, 1, 128)), arr((1, 8, 131072, 128)), sm_count=132)
+    assert p.num_bh * p.grid_x >= 0.9 * 132 and p.num_splits == 15  # 8 CTAs a split
     assert p.combine == _variants.DecodeCombine("bfloat16")
 
 
@@ -261,10 +263,10 @@ def test_empty_cache_plans_one_split():
     assert p.num_splits == 1 and p.combine is None and p.capacity == 0
 
 
-def test_default_residency_comes_from_shared_memory():
+def test_two_ctas_fit_an_sm():
     for v in _config.all_decode_variants():
         if isinstance(v, _variants.SplitKvDecode):
-            assert _decode._ctas_per_sm_by_smem(v, 228 * 1024) >= 2  # two CTAs (or more) an H100 / H200 SM
+            assert 2 * (v.smem_bytes() + 1024) <= 228 * 1024  # two CTAs an H100 / H200 SM (1 KB reserved each)
             assert v.smem_bytes() <= 163 * 1024  # one fits an A100
 
 

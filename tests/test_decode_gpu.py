@@ -74,7 +74,7 @@ class PagedCache:
         """(k_cache, v_cache, page_table, seqlens_k) on the device."""
         if self.vllm:
             k, v = (to_device(np.ascontiguousarray(c.transpose(0, 2, 1, 3))).swapaxes(1, 2) for c in self.host_pages)
-            assert not k.flags.c_contiguous
+            assert k.shape[1] == 1 or not k.flags.c_contiguous  # with one k/v head the view is contiguous too
         else:
             k, v = (to_device(c) for c in self.host_pages)
         return k, v, to_device(self.table), to_device(self.lengths)
@@ -304,7 +304,7 @@ def test_run_plan_writes_the_given_buffers(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("nk,expected", ((512, "decode"), (128, "fwd")))
+@pytest.mark.parametrize("nk,expected", ((512, "decode"), (32, "fwd")))
 def test_short_queries_take_the_split_kv_path_from_decode_min_keys(nk, expected):
     """cuflash.attention routes 1-16 queries a head to the split-KV kernels from
     _api.DECODE_MIN_KEYS keys on, and keeps shorter key ranges on the forward."""

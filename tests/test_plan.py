@@ -29,9 +29,8 @@ class _FakeDriver:
         self.memsets.append((ptr, nbytes, stream))
         return 0
 
-    def cuCtxGetCurrent(self, out):
-        out._obj.value = self.current
-        return 0
+    def current_context(self):
+        return self.current
 
     def cuCtxPushCurrent_v2(self, ctx):
         return 0
