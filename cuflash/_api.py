@@ -241,11 +241,10 @@ def varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q):
 
 
 def longest_sequence(cu, total: int) -> int:
-    """The longest sequence that boundaries ``cu`` delimit in ``total`` packed rows, by the
-    kernels' clamping rule (kernels/slice.cuh); one device-to-host copy."""
-    import cupy
-
-    bounded = cupy.clip(cu, 0, total)
+    """The longest sequence that boundaries ``cu`` (a CuPy or NumPy array) delimit in ``total``
+    packed rows, by the kernels' clamping rule (kernels/slice.cuh); for a CuPy array one
+    device-to-host copy."""
+    bounded = cu.clip(0, total)
     return max(0, int((bounded[1:] - bounded[:-1]).max())) if cu.size > 1 else 0
 
 

@@ -69,31 +69,37 @@ def _cupy_stream(ptr: int, device: int):
 _plans: dict = {}
 
 
-def _forward_plan(q, k, v, device, options):
-    key = (q.shape, k.shape, v.shape, q.dtype, device, options)
+def _forward_plan(q, k, v, device, options, lengths=None):
+    """lengths: (num_seqs, max_seqlen_q, max_seqlen_k) of a packed varlen batch, else None."""
+    key = (q.shape, k.shape, v.shape, q.dtype, device, options, lengths)
     plan = _plans.get(key)
     if plan is None:
         causal, scale, mask, window = options
-        dtype = _checks.dtype_name(q.dtype)
-        plan = _plan.forward_plan(
-            tuple(q.shape), _plan.contiguous_strides(q.shape), tuple(k.shape), _plan.contiguous_strides(k.shape), tuple(v.shape),
-            _plan.contiguous_strides(v.shape), dtype, device, causal, scale, mask, window,
-            (_pointer(q), _pointer(k), _pointer(v)))
+        operands = (tuple(q.shape), _plan.contiguous_strides(q.shape), tuple(k.shape), _plan.contiguous_strides(k.shape),
+                    tuple(v.shape), _plan.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
+        ptrs = (_pointer(q), _pointer(k), _pointer(v))
+        if lengths is None:
+            plan = _plan.forward_plan(*operands, mask, window, ptrs)
+        else:
+            plan = _plan.varlen_forward_plan(*operands, window, *lengths[:2], ptrs)
         _plans[key] = plan
     return plan
 
 
-def _backward_plan(args, device, options, deterministic):
-    key = tuple(a.shape for a in args) + (args[1].dtype, device, options, deterministic)
+def _backward_plan(args, device, options, deterministic, lengths=None):
+    key = tuple(a.shape for a in args) + (args[1].dtype, device, options, deterministic, lengths)
     plan = _plans.get(key)
     if plan is None:
         causal, scale, mask, window = options
-        main = (args[0], args[1], args[2], args[3], args[4])
-        stats = tuple((tuple(x.shape), _plan.contiguous_strides(x.shape), "float32") for x in args[5:])
-        plan = _plan.backward_plan(
-            tuple(tuple(x.shape) for x in main), tuple(_plan.contiguous_strides(x.shape) for x in main),
-            _checks.dtype_name(args[1].dtype), stats, device, causal, scale, mask, window,
-            deterministic, tuple(_pointer(x) for x in main))
+        main = args[:5]
+        stats = tuple((tuple(x.shape), _plan.contiguous_strides(x.shape), "float32") for x in args[5:7])
+        operands = (tuple(tuple(x.shape) for x in main), tuple(_plan.contiguous_strides(x.shape) for x in main),
+                    _checks.dtype_name(args[1].dtype), stats, device, causal, scale)
+        ptrs = tuple(_pointer(x) for x in main)
+        if lengths is None:
+            plan = _plan.backward_plan(*operands, mask, window, deterministic, ptrs)
+        else:
+            plan = _plan.varlen_backward_plan(*operands, window, deterministic, *lengths, ptrs)
         _plans[key] = plan
     return plan
 
@@ -108,24 +114,27 @@ def _device_of(buf) -> int:
     return int(buf.__dlpack_device__()[1])
 
 
-def _run_forward(ctx, outs, q, k, v, options):
-    plan = _forward_plan(q, k, v, _device_of(outs[0]), options)
+def _run_forward(ctx, outs, q, k, v, options, lengths=None, cu_seqlens=()):
+    """cu_seqlens: the (cu_seqlens_q, cu_seqlens_k) buffers of a varlen call (lengths given)."""
+    plan = _forward_plan(q, k, v, _device_of(outs[0]), options, lengths)
     o, l, m = outs
-    plan.run(_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m), ctx.stream)
+    plan.run(_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m), ctx.stream,
+             *(_pointer(c) for c in cu_seqlens))
 
 
-def _run_backward(ctx, outs, args, options, deterministic):
+def _run_backward(ctx, outs, args, options, deterministic, lengths=None):
     """Gradients straight into XLA's output buffers; the workspace comes from CuPy's pool on
-    XLA's stream (freed blocks are handed out again only for work queued after them there)."""
+    XLA's stream (freed blocks are handed out again only for work queued after them there).
+    args: do, q, k, v, o, l, m, and a varlen call's cu_seqlens_q, cu_seqlens_k."""
     import cupy
 
     device = _device_of(outs[0])
-    plan = _backward_plan(args, device, options, deterministic)
+    plan = _backward_plan(args, device, options, deterministic, lengths)
     with cupy.cuda.Device(device), _cupy_stream(ctx.stream, device):
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = 0 if workspace is None else workspace.ptr
         grads = [0 if g.kind == "generic" else _pointer(out) for g, out in zip(plan.grads, outs)]
-        plan.run(*(_pointer(a) for a in args), *grads, base, ctx.stream)
+        plan.run(*(_pointer(a) for a in args[:7]), *grads, base, ctx.stream, *(_pointer(c) for c in args[7:]))
         for g, out in zip(plan.grads, outs):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy, copied into XLA's buffer
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
@@ -145,21 +154,21 @@ _CALLBACKS_KEPT = 64
 
 
 @functools.lru_cache(maxsize=_CALLBACKS_KEPT)
-def _forward_callback(causal, scale, block_mask, window):
+def _forward_callback(causal, scale, block_mask, window, lengths=None):
     options = (causal, scale, block_mask, window)
 
-    def callback(ctx, outs, q, k, v):
-        _run_forward(ctx, outs, q, k, v, options)
+    def callback(ctx, outs, q, k, v, *cu_seqlens):
+        _run_forward(ctx, outs, q, k, v, options, lengths, cu_seqlens)
 
     return callback
 
 
 @functools.lru_cache(maxsize=_CALLBACKS_KEPT)
-def _backward_callback(causal, scale, block_mask, window, deterministic):
+def _backward_callback(causal, scale, block_mask, window, deterministic, lengths=None):
     options = (causal, scale, block_mask, window)
 
     def callback(ctx, outs, *args):
-        _run_backward(ctx, outs, args, options, deterministic)
+        _run_backward(ctx, outs, args, options, deterministic, lengths)
 
     return callback
 
@@ -374,8 +383,73 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 _attention_jit = jax.jit(_attention, static_argnums=(3, 4))
 
 
+# ---- packed variable-length batches -----------------------------------------------------------
+#
+# q (Hq, total_q, d), k / v (Hk, total_k, d / dv) and the int32 boundaries cu_seqlens_q / _k,
+# as in cuflash.attention. The number of sequences and the longest lengths are static (they
+# size the grids); the boundaries stay on the device and are read by the kernels only.
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, options, lengths):
+    lead = _check(q, k, v, *options[1:])
+    nq, dv = q.shape[-2], v.shape[-1]
+    stats = jax.ShapeDtypeStruct(lead + (nq,), np.float32)
+    shapes = (jax.ShapeDtypeStruct(lead + (nq, dv), q.dtype), stats, stats)
+    # sequential: a packed batch has no batch dim for vmap to map onto
+    call = buffer_callback(_forward_callback(*options, lengths), shapes, vmap_method="sequential")
+    return call(q, k, v, cu_q, cu_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _varlen(q, k, v, cu_q, cu_k, options, lengths, deterministic):
+    return _varlen_forward(q, k, v, cu_q, cu_k, options, lengths)[0]
+
+
+def _varlen_fwd(q, k, v, cu_q, cu_k, options, lengths, deterministic):
+    o, l, m = _varlen_forward(q, k, v, cu_q, cu_k, options, lengths)
+    return o, (q, k, v, o, l, m, cu_q, cu_k)
+
+
+def _varlen_bwd(options, lengths, deterministic, residuals, do):
+    q, k, v = residuals[:3]
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = buffer_callback(_backward_callback(*options, deterministic, lengths), shapes, vmap_method="sequential")
+    return (*call(do, *residuals), None, None)  # the integer boundaries have no cotangent
+
+
+_varlen.defvjp(_varlen_fwd, _varlen_bwd)
+_varlen_jit = jax.jit(_varlen, static_argnums=(5, 6, 7))
+
+
+def _longest(name, value, cu, total):
+    """max_seqlen_q / _k: as given, or read from concrete boundaries (a host copy); under jit
+    the boundaries are traced, so the value must be given."""
+    value = _checks.check_max_seqlen(name, value)
+    if value is not None:
+        return value
+    try:
+        host = np.asarray(cu)
+    except jax.errors.TracerArrayConversionError:
+        raise ValueError(f"{name} must be given (a host int) when cu_seqlens are traced, e.g. under jax.jit: "
+                         f"the lengths live on the device") from None
+    return _api.longest_sequence(host, total)
+
+
+def _varlen_attention(q, k, v, causal, scale, window, deterministic, cu_q, cu_k, max_q, max_k):
+    for name, c in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if c is not None and not (hasattr(c, "shape") and hasattr(c, "dtype")):
+            raise TypeError(f"{name} must be an int32 array, got {type(c).__module__}.{type(c).__name__}")
+    meta = [None if c is None else (tuple(c.shape), _checks.dtype_name(c.dtype), 0) for c in (cu_q, cu_k)]
+    num_seqs = _checks.check_cu_seqlens(*meta, 0)  # XLA places every operand of a call on one device
+    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
+    lengths = (num_seqs, _longest("max_seqlen_q", max_q, cu_q, q.shape[-2]),
+               _longest("max_seqlen_k", max_k, cu_k, k.shape[-2]))
+    return _varlen_jit(q, k, v, cu_q, cu_k, (causal, scale, None, window), lengths, deterministic)
+
+
 def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool = False,
-              block_mask=None, block_size=None, window=None, page_table=None, seqlens_k=None, num_splits=None):
+              block_mask=None, block_size=None, window=None, page_table=None, seqlens_k=None, num_splits=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Exact scaled dot-product attention (FlashAttention) on JAX arrays, differentiable.
 
     Args:
@@ -403,6 +477,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             is a transposed copy of the whole cache. Under jax.vmap such a call runs once an
             example. Calls with 1-16 queries a head against at least ``_api.DECODE_MIN_KEYS``
             keys take the same kernels on their own, differentiably.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length
+            batch, as in :func:`cuflash.attention`: q (Hq, total_q, d), k / v (Hk, total_k,
+            d / dv), int32 boundaries of length batch + 1; the longest lengths are host ints
+            (static: one trace each), needed under jax.jit, else read from the boundaries.
+            Differentiable; not under jax.vmap.
 
     Returns:
         o, (..., Nq, dv) in q's dtype. Works eagerly and under jax.jit, jax.grad, jax.vmap.
@@ -415,6 +494,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
     scale = None if scale is None else float(scale)
     mask = _api.as_block_mask(block_mask, block_size)
     window = _api.window_option(window)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
+        return _varlen_attention(q, k, v, bool(causal), scale, window, bool(deterministic), cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if page_table is not None or seqlens_k is not None or num_splits is not None:
         if mask is not None:
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "

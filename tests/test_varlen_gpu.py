@@ -6,28 +6,15 @@ plain attention in the same dtype, here computed sequence by sequence
 poisoned first (the poisoned_pool fixture), so a covered row the kernels skip reads NaN.
 """
 
-import functools
-
 import numpy as np
 import pytest
 
 from conftest import HAS_WGMMA, requires_gpu
-from gpu_util import DTYPES, launched_variants, max_err, random_array, tma_refused, to_device, to_host64
+from gpu_util import DTYPES, launched_variants, random_array, tma_refused, to_device
+from varlen_util import boundaries, check_backward, check_forward, packed_inputs
 from cuflash import reference as ref
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("poisoned_pool")]
-
-
-def boundaries(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def packed_inputs(rng, dtype, lengths_q, lengths_k, hq=4, hk=2, d=64, dv=None):
-    cu_q, cu_k = boundaries(lengths_q), boundaries(lengths_k)
-    q = random_array(rng, (hq, int(cu_q[-1]), d), dtype)
-    k = random_array(rng, (hk, int(cu_k[-1]), d), dtype)
-    v = random_array(rng, (hk, int(cu_k[-1]), dv or d), dtype)
-    return q, k, v, cu_q, cu_k
 
 
 def run_forward(q, k, v, cu_q, cu_k, **kwargs):
@@ -35,55 +22,6 @@ def run_forward(q, k, v, cu_q, cu_k, **kwargs):
 
     return cuflash.attention(to_device(q), to_device(k), to_device(v), cu_seqlens_q=to_device(cu_q),
                              cu_seqlens_k=to_device(cu_k), **kwargs)
-
-
-def check_forward(out, q, k, v, cu_q, cu_k, *, dtype, causal=False, window=None, rows=None):
-    """o, l, m on the rows ``rows`` (default: every covered row) against the reference."""
-    o, l, m = (to_host64(x) for x in out)
-    exact = ref.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, window=window)
-    assert o.shape == exact.o.shape and l.shape == exact.l.shape == m.shape
-    rows = ref.covered_rows(cu_q, q.shape[1]) if rows is None else rows
-    o, l, m = o[:, rows], l[:, rows], m[:, rows]
-    eo, el, em = exact.o[:, rows], exact.l[:, rows], exact.m[:, rows]
-    assert not np.isnan(o).any() and not np.isnan(l).any() and not np.isnan(m).any(), "an unwritten row"
-    err = max_err(o, eo)
-    if dtype == "float32":
-        assert err <= 1e-5 * max(np.max(np.abs(eo), initial=0.0), 1e-30), f"float32 error {err:.3g}"
-    else:
-        plain = ref.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, window=window,
-                                     attention=functools.partial(ref.lowp_attention, dtype=dtype))
-        bound = 2 * max_err(plain.o[:, rows], eo) + 1e-6
-        assert err <= bound, f"max |o - ref| = {err:.3g} > 2 x plain {dtype} error ({bound:.3g})"
-    empty = np.isneginf(em)
-    np.testing.assert_array_equal(np.isneginf(m), empty)
-    np.testing.assert_array_equal(l[empty], 0.0)
-    np.testing.assert_array_equal(o[empty], 0.0)
-    np.testing.assert_allclose(m[~empty], em[~empty], rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(l[~empty], el[~empty], rtol=1e-4)
-
-
-def check_backward(grads, do, q, k, v, cu_q, cu_k, *, dtype, causal=False, window=None, q_rows=None, k_rows=None):
-    options = dict(causal=causal, window=window)
-    exact = ref.varlen_attention_backward(do, q, k, v, cu_q, cu_k, **options)
-    plain = None
-    if dtype != "float32":
-        plain = ref.varlen_attention_backward(do, q, k, v, cu_q, cu_k, **options,
-                                              backward=functools.partial(ref.lowp_attention_backward, dtype=dtype))
-    q_rows = ref.covered_rows(cu_q, q.shape[1]) if q_rows is None else q_rows
-    k_rows = ref.covered_rows(cu_k, k.shape[1]) if k_rows is None else k_rows
-    floor = 0.1 * max(np.max(np.abs(e), initial=0.0) for e in exact)
-    for i, (name, g, rows) in enumerate(zip(("dq", "dk", "dv"), grads, (q_rows, k_rows, k_rows))):
-        g, e = to_host64(g), exact[i]
-        assert g.shape == e.shape, f"{name} shape {g.shape} != {e.shape}"
-        g, e = g[:, rows], e[:, rows]
-        assert not np.isnan(g).any(), f"NaN in {name}"
-        err = max_err(g, e)
-        if dtype == "float32":
-            rel = err / max(np.max(np.abs(e), initial=0.0), floor, 1e-30)
-            assert rel < 2e-5, f"{name}: float32 error {err:.3g}"
-        else:
-            bound = 3 * max_err(plain[i][:, rows], e) + 1e-6
-            assert err <= bound, f"{name}: max error {err:.3g} > 3 x plain {dtype} error ({bound:.3g})"
 
 
 # Empty sequences, length 1, nq != nk, a query sequence against no key, lengths past a tile.
