@@ -83,3 +83,11 @@ def pytest_runtest_logreport(report):
     if path and report.when == "call" and not os.environ.get("PYTEST_XDIST_WORKER"):  # once: in the controller
         with open(path, "a") as f:
             f.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")
+
+
+def jax_has_gpu(jax) -> bool:
+    """Whether ``jax`` (imported by the caller, which skips without it) sees a CUDA GPU."""
+    try:
+        return HAS_GPU and bool(jax.devices("gpu"))
+    except Exception:  # no CUDA plugin, or it found no device
+        return False

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import HAS_GPU
+from conftest import jax_has_gpu
 from cuflash import reference as ref
 from gpu_util import DTYPES, max_err, random_array
 
@@ -21,14 +21,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 
-def _jax_has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except Exception:  # no CUDA plugin, or it found no device
-        return False
-
-
-gpu = pytest.mark.skipif(not (HAS_GPU and _jax_has_gpu()), reason="needs JAX with a CUDA GPU")
+gpu = pytest.mark.skipif(not jax_has_gpu(jax), reason="needs JAX with a CUDA GPU")
 
 # (name, lead_q, lead_kv, Nq, Nk, d, dv, causal)
 CASES = (

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import HAS_GPU
+from conftest import jax_has_gpu
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # cuflash allocates through CuPy
 jax = pytest.importorskip("jax")
@@ -16,14 +16,7 @@ LENGTHS_Q = (1, 77, 0, 200)  # an empty sequence, one of length 1, one past a ti
 LENGTHS_K = (5, 77, 3, 190)
 
 
-def _jax_has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except Exception:  # no CUDA plugin, or it found no device
-        return False
-
-
-gpu = pytest.mark.skipif(not (HAS_GPU and _jax_has_gpu()), reason="needs JAX with a CUDA GPU")
+gpu = pytest.mark.skipif(not jax_has_gpu(jax), reason="needs JAX with a CUDA GPU")
 
 
 def _abstract(hq=4, hk=2, total_q=283, total_k=275, d=64, batch=4, dtype=jnp.bfloat16):
