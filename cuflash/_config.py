@@ -293,6 +293,10 @@ def variants_for(arch: str):
 # a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16
 # splits of 128 key tiles 3.86 TB/s, 64 of 32 tiles 3.63, 256 of 8 tiles 3.04) ...
 DECODE_SM_FILL = 0.9
+# Paged caches aim at this many CTAs an SM: a page-table look-up sits on each tile's copy path,
+# and with one CTA an SM the same rule left them at 0.56-0.62x the dense speed at batch 1 x
+# 131072 and 8 x 32768 (1bc1777), where 4-5 CTAs an SM (the rule before) had them at 0.91-0.98x.
+DECODE_PAGED_CTAS_A_SM = 4
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams.
 DECODE_MIN_TILES_PER_SPLIT = 4
@@ -324,15 +328,16 @@ def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> Sp
     return SplitKvDecode(dtype, hd, *_tiles.DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
 
 
-def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int) -> typing.Tuple[int, int]:
+def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, paged: bool = False) -> typing.Tuple[int, int]:
     """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
     is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles): the fewest splits that put a CTA
-    on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at least DECODE_MIN_TILES_PER_SPLIT
-    tiles (and at most MAX_DECODE_SPLITS splits); short caches take as many as those allow."""
+    (paged: DECODE_PAGED_CTAS_A_SM) on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at
+    least DECODE_MIN_TILES_PER_SPLIT tiles (and at most MAX_DECODE_SPLITS splits); short caches
+    take as many as those allow."""
     if key_tiles <= 0:
         return 1, 1
     most = max(1, min(_constants.MAX_DECODE_SPLITS, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
-    target = DECODE_SM_FILL * sm_count
+    target = DECODE_SM_FILL * sm_count * (DECODE_PAGED_CTAS_A_SM if paged else 1)
     per_split = -(-key_tiles // min(most, max(1, math.ceil(target / ctas_per_split))))
     # Whole tiles a split can leave fewer splits than asked: shorten them until the SMs are
     # filled or the count reaches ``most``.

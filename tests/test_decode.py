@@ -245,6 +245,15 @@ def test_large_batches_take_one_split():
     assert p.num_splits == 1 and p.combine is None
 
 
+def test_paged_caches_take_more_ctas_an_sm():
+    dense = plan(arr((8, 32, 1, 128)), arr((8, 8, 32768, 128)), sm_count=132)
+    k = arr((8 * 512, 8, 64, 128))  # 512 pages of 64 keys a sequence
+    table = arr((8, 512), np.int32)
+    paged = plan(arr((8, 32, 1, 128)), k, page_table=table, seqlens_k=arr((8,), np.int32), sm_count=132)
+    assert dense.num_splits == 2
+    assert paged.num_bh * paged.grid_x >= _config.DECODE_PAGED_CTAS_A_SM * _config.DECODE_SM_FILL * 132
+
+
 def test_long_single_sequence_is_spread_over_every_sm():
     p = plan(arr((1, 32, 1, 128)), arr((1, 8, 131072, 128)), sm_count=132)
     assert p.num_bh * p.grid_x >= 0.9 * 132 and p.num_splits == 15  # 8 CTAs a split

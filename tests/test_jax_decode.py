@@ -268,13 +268,16 @@ class KernelModel:
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """The adapter's callbacks on the CPU backend, launching into a KernelModel."""
+    """The adapter's callbacks on the CPU backend, launching into a KernelModel (on a machine
+    with a GPU too: the model reads and writes the buffers as NumPy arrays, which only the CPU
+    backend's are)."""
     model = KernelModel()
     monkeypatch.setattr(cj, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
     monkeypatch.setattr(cj, "_xla_stream", lambda ctx: 0)
     monkeypatch.setattr(cj, "_run_forward", model.run_forward)
     monkeypatch.setattr(_decode, "bound_launch", model.bound_launch)
-    return model
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield model
 
 
 def expected_o(q, k, v, lengths, *, causal=False, window=None, scale=None):
