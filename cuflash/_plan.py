@@ -431,15 +431,14 @@ class BackwardPlan:
         self.ctx = device_context(device_id)
         self.lock = threading.Lock()
 
-    def check(self, ptrs):
-        if self.vectors and any(p & 15 for p in ptrs):
-            for (name, shape, strides), ptr in zip(self.operands, ptrs):
+    def check(self, do, q, k, v, o):
+        if self.vectors and (do | q | k | v | o) & 15:
+            for (name, shape, strides), ptr in zip(self.operands, (do, q, k, v, o)):
                 if ptr & 15:
                     raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
 
     def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q=0, cu_seqlens_k=0):
-        if self.vectors and (do | q | k | v | o) & 15:
-            self.check((do, q, k, v, o))
+        self.check(do, q, k, v, o)
         outs = (dq, dk, dv)
         with self.lock, Context(self.ctx) as drv:
             if self.zero_grads:

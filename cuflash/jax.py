@@ -435,10 +435,16 @@ def _longest(name, value, cu, total):
     return _api.longest_sequence(host, total)
 
 
+def _check_int_arrays(**arrays):
+    """The index arguments (page_table, seqlens_k, cu_seqlens): None or array-like; their dtype
+    and shape are checked where the call is planned."""
+    for name, x in arrays.items():
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be an int32 array, got {type(x).__module__}.{type(x).__name__}")
+
+
 def _varlen_attention(q, k, v, causal, scale, window, deterministic, cu_q, cu_k, max_q, max_k):
-    for name, c in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        if c is not None and not (hasattr(c, "shape") and hasattr(c, "dtype")):
-            raise TypeError(f"{name} must be an int32 array, got {type(c).__module__}.{type(c).__name__}")
+    _check_int_arrays(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     meta = [None if c is None else (tuple(c.shape), _checks.dtype_name(c.dtype), 0) for c in (cu_q, cu_k)]
     num_seqs = _checks.check_cu_seqlens(*meta, 0)  # XLA places every operand of a call on one device
     _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
@@ -502,9 +508,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
         if mask is not None:
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
                              "(the split-KV decoding path)")
-        for name, x in (("page_table", page_table), ("seqlens_k", seqlens_k)):
-            if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
-                raise TypeError(f"{name} must be an int32 array, got {type(x).__module__}.{type(x).__name__}")
+        _check_int_arrays(page_table=page_table, seqlens_k=seqlens_k)
         options = (bool(causal), scale, window, _decode._check_num_splits(num_splits))
         return _decoding_jit(q, k, v, page_table, seqlens_k, options)
     options = (bool(causal), scale, mask, window)

@@ -31,7 +31,8 @@ namespace cuflash {
 // (preprocess_width: the power of two that covers dv, at most 32), so a warp takes 32 / width
 // rows at a time; float32 rows one warp a row, element by element (their rows need not be
 // 16-byte aligned). Every CTA and warp walks its rows in steps of the whole grid, so the grid
-// (PREPROCESS rows a CTA on the host) sets only how the work is spread. The slice's pointers
+// (sized by BackwardPreprocess.rows_a_cta in cuflash/_variants.py) sets only how the work is
+// spread. The slice's pointers
 // are computed once a CTA. VARLEN: the rows of one sequence, padded to a multiple of
 // kStatsRowMultiple.
 template <typename T>
