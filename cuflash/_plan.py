@@ -187,7 +187,7 @@ FWD_PARAM_FORMAT = "<" + "".join((
 # The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
 CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-3]) // 8
 # struct BwdParams: the nine pointers first (words 0-8).
-BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "q"
+BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "qq"
 # struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.
 REDUCE_PARAM_FORMAT = "<QQqqq"
 # The block-sparsity fields of a dense launch: null lists, so the kernel walks every tile.
@@ -299,6 +299,7 @@ class ForwardPlan:
         self.device_id = device_id
         self.dtype = dtype
         self.o_shape, self.stats_shape = o_shape, stats_shape
+        self.stats_rows = math.prod(stats_shape)  # of l (and of m)
         self.operands = operands  # ((name, shape, element strides), ...) of q, k, v for errors
         self.vectors = dtype != "float32"  # 16-byte vector loads need 16-byte aligned pointers
         self.kernel = kernel  # None: nothing to compute (no query or no slice)
@@ -483,10 +484,10 @@ def _check_stats(stats, stats_shape):
             )
 
 
-def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype):
+def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype, zero_dq_acc=False):
     """struct BwdParams with its pointers 0 (a call writes them); strides: do, q, k, v, o."""
     return _words(struct.pack(BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2],
-                              strides[4][-2], int(dkv_in_dtype)))
+                              strides[4][-2], int(dkv_in_dtype), int(zero_dq_acc)))
 
 
 def _reduce_kernels(grads, out_lead, dtype, device_id):
@@ -535,13 +536,12 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
 
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad)
     kv_direct = grads[1].kind == "direct"
-    acc_shapes = [g.acc_shape for g in grads]
-    zero = 4 * math.prod(acc_shapes[0]) if kplan.atomic_dq else None
-
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
     mask_strides = layout.extra_strides[-1] if mask is not None else ()
-    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32")
+    # Atomic dQ adds into a zeroed accumulator: the preprocess, which visits every query row
+    # first, zeroes it (one launch fewer than a memset).
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", kplan.atomic_dq)
     fwd_blocks, kernels = [], []
 
     def add(variant, grid_x, transpose=False):
@@ -563,7 +563,7 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
 
     reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
 
-    return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
+    return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, None, tuple(kernels),
                         tuple(fwd_blocks), bwd_block, tuple(reduces))
 
 

@@ -57,14 +57,26 @@ _backward_calls: dict = {}
 
 
 def _forward_impl(q, k, v, causal, scale, mask, window):
-    """o, l, m of cuflash's forward on torch's current stream; outputs from torch's allocator."""
-    return _forward_with_plan(q, k, v, causal, scale, mask, window)[:3]
+    """o, l, m of cuflash's forward on torch's current stream; outputs from torch's allocator,
+    three of them (a custom operator's outputs may not share memory)."""
+    plan = _forward_plan(q, k, v, causal, scale, mask, window)
+    device = q.device
+    o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
+    l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
+    m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
+    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+             _raw_stream(device.index))
+    return o, l, m
 
 
-def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
-    """o, l, m and the forward's plan, whose ``backward_plans`` the eager backward uses. With
-    ``route`` (a call autograd does not record) a few queries a head against many keys take the
-    split-KV decoding kernels, as cuflash.attention routes them (_decode.routes_short_queries)."""
+def _split_stats(stats, shape):
+    """l and m as views of a call's float32 statistics buffer (l's rows, then m's)."""
+    n = math.prod(shape)
+    return stats[:n].view(shape), stats[n:2 * n].view(shape)
+
+
+def _forward_plan(q, k, v, causal, scale, mask, window):
+    """The forward plan of a call's signature, from this adapter's cache of raw signatures."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device, k.device, v.device, causal, scale, mask, window, _config.GENERATION[0])
     plan = _forward_calls.get(key)
@@ -76,6 +88,15 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
                                   (q.data_ptr(), k.data_ptr(), v.data_ptr()))
         plan.decode = _routes_short_queries(q, k, v, mask, plan)
         _plan.remember(_forward_calls, key, plan)
+    return plan
+
+
+def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
+    """o, the statistics buffer (l's rows, then m's: _split_stats; one allocation for both) and
+    the forward's plan, whose ``backward_plans`` the eager backward uses. With ``route`` (a call
+    autograd does not record) a few queries a head against many keys take the split-KV
+    decoding kernels, as cuflash.attention routes them (_decode.routes_short_queries)."""
+    plan = _forward_plan(q, k, v, causal, scale, mask, window)
     if route and plan.decode:  # the bound decoding launch is kept on the forward plan: no second look-up
         launch = plan.decode_launch
         if launch is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
@@ -83,11 +104,11 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
         return (*_decode_run(launch, q, k, v, None, None), plan)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
-    l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
-    m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+    stats = torch.empty(2 * plan.stats_rows, dtype=torch.float32, device=device)
+    l = stats.data_ptr()
+    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * plan.stats_rows,
              _raw_stream(device.index))
-    return o, l, m, plan
+    return o, stats, plan
 
 
 def _routes_short_queries(q, k, v, mask, plan) -> bool:
@@ -149,7 +170,8 @@ _decode_plans: dict = {}
 
 
 def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None, num_splits=None):
-    """The split-KV decoding kernels (forward only) on torch's current stream, every buffer from
+    """o and the statistics buffer (_split_stats) of the split-KV decoding kernels (forward
+    only) on torch's current stream, every buffer from
     torch's allocator and the launch bound once per signature: a decode step can be captured in
     a CUDA graph (lengths and pages are read from device memory, never by the host)."""
     tensors = (q, k, v, page_table, seqlens_k)
@@ -175,36 +197,52 @@ def _decode_launch(tensors, causal, scale, window, num_splits):
 
 
 def _decode_run(launch, q, k, v, page_table, seqlens_k):
+    """o and the statistics buffer (as _forward_with_plan's) of one decoding call; the buffer's
+    tail past the statistics is the launch's workspace: two allocations a call."""
     plan, device = launch.plan, q.device
     o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
-    l = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)
-    m = torch.empty(plan.out_shape[:-1], dtype=torch.float32, device=device)
-    workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=device) if launch.workspace_bytes else None
-    launch.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+    rows = math.prod(plan.out_shape[:-1])
+    workspace_at = -(-8 * rows // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN  # bytes: l and m, then the workspace
+    floats = (workspace_at + launch.workspace_bytes) // 4 if launch.workspace_bytes else 2 * rows
+    stats = torch.empty(floats, dtype=torch.float32, device=device)
+    l = stats.data_ptr()
+    launch.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * rows,
                0 if page_table is None else page_table.data_ptr(), 0 if seqlens_k is None else seqlens_k.data_ptr(),
-               0 if workspace is None else workspace.data_ptr(), _raw_stream(device.index))
-    return o, l, m
+               l + workspace_at if launch.workspace_bytes else 0, _raw_stream(device.index))
+    return o, stats
+
+
+_WORKSPACE_ALIGN = 256  # bytes: where a decoding call's workspace starts in its statistics buffer
 
 
 def _sum_keeping(x, axes):
     return x.sum(dim=axes, keepdim=True)
 
 
-def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, varlen=None,
-                   forward_plan=None):
+def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, varlen=None):
     """dq, dk, dv on torch's current stream. varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) of a packed batch. With ``forward_plan`` (the eager dense path: q, k, v, o, l,
-    m are what that plan ran on, and autograd gives dO o's shape and device) the backward's plan
-    is looked up by dO's strides and dtype alone, in ``forward_plan.backward_plans``."""
+    max_seqlen_k) of a packed batch."""
+    plan, do, cu_seqlens = _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic,
+                                               varlen, None, None)
+    return _backward_run(plan, do, q, k, v, o, l.data_ptr(), m.data_ptr(), cu_seqlens)
+
+
+def _eager_backward(forward_plan, do, q, k, v, o, stats, causal, scale, mask, window, deterministic):
+    """dq, dk, dv of a dense call the eager path ran on ``forward_plan`` (q, k, v, o and the
+    statistics buffer ``stats`` are what it ran on, and autograd gives dO o's shape and device):
+    the backward's plan is looked up by dO's strides and dtype alone, in
+    ``forward_plan.backward_plans``."""
+    l = stats.data_ptr()
+    m = l + 4 * forward_plan.stats_rows
     short = None
-    if varlen is None and forward_plan is not None and not do.data_ptr() & 15:  # a misaligned dO is copied
+    if not do.data_ptr() & 15:  # a misaligned dO is copied
         short = (do.stride(), do.dtype, deterministic)
         plan = forward_plan.backward_plans.get(short)
         if plan is not None:
             return _backward_run(plan, do, q, k, v, o, l, m, ())
-    plan, do, cu_seqlens = _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic,
-                                               varlen, forward_plan, short)
-    return _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens)
+    plan, do, _ = _backward_signature(do, q, k, v, o, *_split_stats(stats, o.shape[:-1]), causal, scale, mask,
+                                      window, deterministic, None, forward_plan, short)
+    return _backward_run(plan, do, q, k, v, o, l, m, ())
 
 
 def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deterministic, varlen, forward_plan,
@@ -252,12 +290,13 @@ def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deter
 
 
 def _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens):
+    """The plan's launches; l and m: the statistics' pointers."""
     device = q.device
     grads = [None if g.kind == "generic" else torch.empty(g.shape, dtype=q.dtype, device=device)
              for g in plan.grads]
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device) if plan.workspace_bytes else None
     base = 0 if workspace is None else workspace.data_ptr()
-    plan.run(do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+    plan.run(do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, m,
              *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index), *cu_seqlens)
     for index, g in enumerate(plan.grads):
         if g.kind == "generic":  # broadcast inputs: summed back by torch
@@ -485,7 +524,9 @@ def attention(
         if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
             o, l, m = _attention_fwd(q, k, v, causal, scale, None, left, right, *args)
         elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            o, l, m = _EagerAttention.apply(q, k, v, causal, scale, None, window, args)
+            stats = [] if return_stats else None
+            o = _EagerAttention.apply(q, k, v, causal, scale, None, window, args, stats)
+            return AttentionOutput(o, *stats) if return_stats else o
         else:
             o, l, m = _varlen_forward_impl(q, k, v, causal, scale, window, *args)
         return AttentionOutput(o, l, m) if return_stats else o
@@ -493,49 +534,56 @@ def attention(
         if mask is not None or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise ValueError("page_table, seqlens_k and num_splits select the split-KV decoding path, which "
                              "has no block_mask and no backward: call it on tensors that need no grad")
-        o, l, m = _decode_impl(q, k, v, causal, scale, window, page_table, seqlens_k, num_splits)
-        return AttentionOutput(o, l, m) if return_stats else o
+        o, stats = _decode_impl(q, k, v, causal, scale, window, page_table, seqlens_k, num_splits)
+        return AttentionOutput(o, *_split_stats(stats, o.shape[:-1])) if return_stats else o
     if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
         # Traced (torch.compile, torch.export) or a tensor subclass: the custom operators.
         left, right = window or NO_WINDOW
         o, l, m = _attention_fwd(q, k, v, causal, scale, _mask_token(mask), left, right)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, l, m = _EagerAttention.apply(q, k, v, causal, scale, mask, window)
-    else:
-        o, l, m = _forward_with_plan(q, k, v, causal, scale, mask, window, route=True)[:3]
-    return AttentionOutput(o, l, m) if return_stats else o
+        return AttentionOutput(o, l, m) if return_stats else o
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        stats = [] if return_stats else None
+        o = _EagerAttention.apply(q, k, v, causal, scale, mask, window, None, stats)
+        return AttentionOutput(o, *stats) if return_stats else o
+    o, stats, _ = _forward_with_plan(q, k, v, causal, scale, mask, window, route=True)
+    return AttentionOutput(o, *_split_stats(stats, o.shape[:-1])) if return_stats else o
 
 
 class _EagerAttention(torch.autograd.Function):
     """Eager calls run the same kernels without the dispatcher's per-call cost of a custom
-    operator (tens of microseconds); torch.compile traces the operators above instead."""
+    operator (tens of microseconds); torch.compile traces the operators above instead. The
+    one output is o: l and m are not differentiable, and as outputs autograd would track them
+    too; ``stats``, a list when the caller wants them, receives them instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, mask, window, varlen=None):
+    def forward(ctx, q, k, v, causal, scale, mask, window, varlen=None, stats=None):
         # varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch
-        ctx.plan = None
         if varlen is None:
-            o, l, m, ctx.plan = _forward_with_plan(q, k, v, causal, scale, mask, window)
-            ctx.save_for_backward(q, k, v, o, l, m)
+            o, buffer, ctx.plan = _forward_with_plan(q, k, v, causal, scale, mask, window)
+            ctx.save_for_backward(q, k, v, o, buffer)
+            if stats is not None:
+                stats.extend(_split_stats(buffer, o.shape[:-1]))
         else:
             o, l, m = _varlen_forward_impl(q, k, v, causal, scale, window, *varlen)
             ctx.save_for_backward(q, k, v, o, l, m, *varlen[:2])
             ctx.max_seqlens = varlen[2:]
+            if stats is not None:
+                stats.extend((l, m))
         ctx.options = (causal, scale, mask, window)
         ctx.varlen = varlen is not None
-        # l and m are softmax statistics, returned for inspection; no gradient flows through them.
-        ctx.mark_non_differentiable(l, m)
-        # Without this autograd fills zero tensors for dl and dm on every backward: two
-        # allocations and two fill kernels, 33 us of host time a call on the H200's host.
-        ctx.set_materialize_grads(False)
-        return o, l, m
+        ctx.set_materialize_grads(False)  # no zero-filled dO made for a loss that does not use o
+        return o
 
     @staticmethod
-    def backward(ctx, do, _dl, _dm):
+    def backward(ctx, do):
         if do is None:  # o took no part in the loss
-            return (None,) * 8
-        q, k, v, o, l, m, *cu_seqlens = ctx.saved_tensors
-        varlen = (*cu_seqlens, *ctx.max_seqlens) if ctx.varlen else None
-        dq, dk, dv = _backward_impl(do, q, k, v, o, l, m, *ctx.options,
-                                    torch.are_deterministic_algorithms_enabled(), varlen, ctx.plan)
-        return dq, dk, dv, None, None, None, None, None
+            return (None,) * 9
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if ctx.varlen:
+            q, k, v, o, l, m, cu_q, cu_k = ctx.saved_tensors
+            dq, dk, dv = _backward_impl(do, q, k, v, o, l, m, *ctx.options, deterministic,
+                                        (cu_q, cu_k, *ctx.max_seqlens))
+        else:
+            q, k, v, o, buffer = ctx.saved_tensors
+            dq, dk, dv = _eager_backward(ctx.plan, do, q, k, v, o, buffer, *ctx.options, deterministic)
+        return dq, dk, dv, None, None, None, None, None, None

@@ -86,6 +86,7 @@ struct BwdParams {
     i64 o_lead_stride[kMaxLead];
     i64 do_row_stride, o_row_stride;
     i64 dkv_in_dtype;  // 1: k/v are not broadcast, so dK/dV are final and stored as T directly
+    i64 zero_dq_acc;   // 1: the preprocess zeroes each slice's rows of dq_acc (dense, atomic dQ)
 };
 
 // Offset of one (batch..., head) slice of a tensor laid out over the output's leading dims.

@@ -34,7 +34,8 @@ namespace cuflash {
 // (sized by BackwardPreprocess.rows_a_cta in cuflash/_variants.py) sets only how the work is
 // spread. The slice's pointers
 // are computed once a CTA. VARLEN: the rows of one sequence, padded to a multiple of
-// kStatsRowMultiple.
+// kStatsRowMultiple. With zero_dq_acc it also zeroes dQ's float32 accumulator rows (16-byte
+// stores: d is a multiple of 8 and the accumulator 256-byte aligned).
 template <typename T>
 __device__ __forceinline__ int preprocess_width(int dv) {
     if constexpr (sizeof(T) != 2) return 32;
@@ -71,6 +72,10 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
 #pragma unroll 1
     for (i64 first = ((i64)blockIdx.x * NWARPS + warp) * per_warp; first < n_rows; first += step) {  // warp-uniform
         const i64 row = first + sub;
+        if (b.zero_dq_acc && row < nq) {  // instead of a memset: the key passes add into these rows
+            float4* dq = reinterpret_cast<float4*>(b.dq_acc + (g.rows + row) * p.d);
+            for (int c = col; c < (int)p.d / 4; c += width) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
         float acc = 0.f;
         if (row < nq) {
             const T* dout = in.dout + row * b.do_row_stride;

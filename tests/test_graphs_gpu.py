@@ -46,6 +46,7 @@ def test_cupy_stream_capture_replays_bit_identical():
 
     shape = (2, 4, 256, 64)
     q, k, v, do = (_rand(cupy, shape, "float16", i) for i in range(4))
+    cupy.cuda.Device().synchronize()  # made on the null stream, which a non-blocking stream does not wait for
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         out = cuflash.attention(q, k, v, causal=True)

@@ -221,7 +221,10 @@ def test_rows_without_keys_give_zero_output_and_gradients(dtype, deterministic, 
 @pytest.mark.parametrize("nq,nk", ((1, 1), (1, 7), (7, 1)))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_query_or_one_key_with_head_dim_8(dtype, nq, nk, rng):
-    q, k, v, do = (random_array(rng, (3, n, 8), dtype) for n in (nq, nk, nk, nq))
+    # 64 heads: with 3 (24 entries of dQ at one query) the max error of plain attention, the
+    # bound's yardstick, was itself small by chance often enough to fail the 3x rule (0.0071
+    # against 3 x 0.00187 once at 6c55a17).
+    q, k, v, do = (random_array(rng, (64, n, 8), dtype) for n in (nq, nk, nk, nq))
     for causal in (False, True):
         for deterministic in (False, True):
             out, grads = forward_backward(q, k, v, do, causal=causal, deterministic=deterministic)

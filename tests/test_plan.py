@@ -198,8 +198,10 @@ def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
     kinds = [g.kind for g in plan.grads]
     assert kinds == ["reduce", "direct", "direct"]  # dK, dV written in place; dQ from float32
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
-    (ptr, nbytes, stream), = fake_gpu.memsets
-    assert ptr == 0x100000 + plan.grads[0].offset and nbytes == 4 * 2 * 4 * 256 * 64 and stream == 5
+    assert fake_gpu.memsets == []  # the preprocess (the first launch) zeroes the accumulator
+    assert isinstance(plan.kernels[0].variant, _variants.BackwardPreprocess) and plan.kernels[0].params[1] is plan.bwd_block
+    block = list(plan.bwd_block)  # struct BwdParams: dq_acc, ..., zero_dq_acc
+    assert block[6] == 0x100000 + plan.grads[0].offset and block[-1] == 1
     reduce = fake_gpu.launches[-1]
     assert reduce["params"][0][:5] == (0x100000 + plan.grads[0].offset, 0x8000, 1, 256 * 64, 8)
 
