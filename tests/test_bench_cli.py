@@ -995,7 +995,7 @@ def test_host_table_targets_and_footnotes():
     text = flat(text)
     assert "cuflash.torch fwd + bwd (autograd): CUDADriverError: boom" in text
     assert "JAX is not available (no jax)" in text and text.count("JAX is not available") == 1
-    assert "2000 back-to-back calls" in text
+    assert "the median over 10 rounds" in text and "200 back-to-back calls" in text
     assert host.cuflash_failures(results) == [
         ("host: cuflash.torch fwd + bwd (autograd)", "CUDADriverError: boom")]
 
@@ -1171,3 +1171,40 @@ def test_host_and_e2e_run_on_the_gpu():
     for text in (host.format_host(measured, common.Footnotes()),
                  e2e.format_e2e(records, common.Footnotes())):
         assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+
+
+def test_host_rows_take_turns_and_report_their_median_round():
+    """_interleaved: every case warmed up, then rounds alternating their order; a case's figure
+    is its median round; a case that raises is an error entry and leaves the rounds."""
+    log = []
+    cases = [host.CASE_BY_NAME[n] for n in ("torch_fwd", "sdpa_fwd", "torch_fwdbwd")]
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def call(name, cost):
+        def fn():
+            log.append(name)
+            now[0] += cost.pop(0) if isinstance(cost, list) else cost
+        return fn
+
+    failing_calls = []
+
+    def failing():  # its warm-up passes, its first timed call raises
+        failing_calls.append(1)
+        if len(failing_calls) > 2:
+            raise RuntimeError("boom")
+        log.append("torch_fwdbwd")
+
+    # torch_fwd: rounds of 1, 9, 2 us a call (median 2); sdpa_fwd 1 us; torch_fwdbwd fails in round 1.
+    costs = [0.0] * 2 + [1e-6] * 4 + [9e-6] * 4 + [2e-6] * 4
+    fns = {"torch_fwd": (call("torch_fwd", costs), lambda _: None),
+           "sdpa_fwd": (call("sdpa_fwd", 1e-6), lambda _: None),
+           "torch_fwdbwd": (failing, lambda _: None)}
+    got = host._interleaved(cases, fns, calls=12, rounds=3, warmup=2, clock=clock)
+    assert got["torch_fwd"]["us"] == pytest.approx(2.0) and got["sdpa_fwd"]["us"] == pytest.approx(1.0)
+    assert got["torch_fwdbwd"]["status"] == "error" and "boom" in got["torch_fwdbwd"]["error"]
+    rounds = log[6:]  # after the warm-up (2 calls each)
+    assert rounds[:8] == ["torch_fwd"] * 4 + ["sdpa_fwd"] * 4  # round 1 in order, then torch_fwdbwd fails
+    assert rounds[8:12] == ["sdpa_fwd"] * 4  # round 2 reversed

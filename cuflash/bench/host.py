@@ -2,8 +2,12 @@
 
 At a tiny shape (HOST_SHAPE, bf16, causal) a kernel runs a few microseconds, far less than
 any API spends on the host, so back-to-back calls keep the GPU queue ahead of the GPU and the
-wall time of HOST_CALLS calls after HOST_WARMUP untimed ones, divided by HOST_CALLS, is the
-host's time per call: argument checks, plan look-ups, allocation, launches, autograd, dispatch.
+wall time of back-to-back calls, divided by their number, is the host's time per call: argument
+checks, plan look-ups, allocation, launches, autograd, dispatch. The host's own speed drifts
+(the H200's host ran one SDPA loop at 205 and the next at 405 us a call, in one session), so a
+framework's rows are measured side by side: HOST_ROUNDS rounds, each timing HOST_CALLS /
+HOST_ROUNDS calls of every row (in alternating order), after HOST_WARMUP untimed calls of each;
+a row's figure is the median of its rounds.
 
 Rows (CASES): cuflash on CuPy arrays (forward, backward), the torch adapter (forward, forward
 + backward through autograd) against SDPA with torch's own backend choice, and under jax.jit
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -28,6 +33,7 @@ from .common import DASH, Footnotes
 HOST_SHAPE = (1, 1, 128, 64)  # (batch, heads, seq, head dim): microseconds of GPU work
 HOST_CALLS = 2000
 HOST_WARMUP = 200
+HOST_ROUNDS = 10
 CAUSAL = True
 
 
@@ -282,13 +288,9 @@ def run_host(env, args=None, progress=None, calls: int = HOST_CALLS) -> dict:
                                          error=str(exc) if unavailable else common.first_line(exc))
             progress.advance(len(cases))
             continue
+        progress.start(f"host: the {framework} rows side by side")
+        results.update(_interleaved(cases, fns, calls))
         for case in cases:
-            progress.start(f"host {case.api} {case.call}")
-            fn, sync = fns[case.name]
-            try:
-                results[case.name] = _entry(host_us(fn, sync, calls))
-            except Exception as exc:
-                results[case.name] = _entry(status="error", error=common.first_line(exc))
             progress.advance()
             entry = results[case.name]
             progress.note(f"host {case.api:>14} {case.call:>20}: "
@@ -296,6 +298,38 @@ def run_host(env, args=None, progress=None, calls: int = HOST_CALLS) -> dict:
                              else f"{entry['status']}: {entry['error']}"))
         del fns
         env.free_memory()
+    return results
+
+
+def _interleaved(cases, fns: dict, calls: int, rounds: int = HOST_ROUNDS, warmup: int = HOST_WARMUP,
+                 clock: Callable[[], float] = time.perf_counter) -> dict:
+    """name -> entry of one framework's cases measured side by side: after ``warmup`` calls of
+    each, ``rounds`` rounds of ``calls // rounds`` calls of every case (the order reversed
+    every other round); a case's us is the median of its rounds. A case whose call raises is
+    an error entry and leaves the rounds."""
+    per_round = max(1, calls // rounds)
+    times, results = {}, {}
+    for case in cases:
+        fn, sync = fns[case.name]
+        try:
+            out = None
+            for _ in range(warmup):
+                out = fn()
+            sync(out)
+            times[case.name] = []
+        except Exception as exc:
+            results[case.name] = _entry(status="error", error=common.first_line(exc))
+    for r in range(rounds):
+        order = [c for c in cases if c.name in times]
+        for case in order if r % 2 == 0 else order[::-1]:
+            fn, sync = fns[case.name]
+            try:
+                times[case.name].append(host_us(fn, sync, per_round, 0, clock))
+            except Exception as exc:
+                del times[case.name]
+                results[case.name] = _entry(status="error", error=common.first_line(exc))
+    for name, us in times.items():
+        results[name] = _entry(statistics.median(us))
     return results
 
 
@@ -336,8 +370,9 @@ def format_host(results: dict, notes: Footnotes, tablefmt: str = "github") -> st
     title = (f"host: CPU microseconds per call, bfloat16 {b} x {h} x {n} x {d} (batch x heads x "
              f"seq x head dim), causal")
     table = common.table(rows, headers, tablefmt, colalign=("left", "left") + ("right",) * 4)
-    caption = (f"us / call: wall time of {HOST_CALLS} back-to-back calls after {HOST_WARMUP} "
-               "untimed ones, from a drained GPU queue to a drained queue, divided by the calls; "
+    caption = (f"us / call: the median over {HOST_ROUNDS} rounds, in which a framework's rows take "
+               f"turns, of the wall time of {HOST_CALLS // HOST_ROUNDS} back-to-back calls (after "
+               f"{HOST_WARMUP} untimed ones) from a drained GPU queue to a drained queue, divided by the calls; "
                "at this size a call's GPU work takes a few microseconds, so the GPU waits for the "
                "host and the figure is the host's time per call. over peer: us / call minus the "
                "peer's. target: issue 14's bound. cuflash (CuPy): cuflash.attention and "
