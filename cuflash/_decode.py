@@ -80,8 +80,8 @@ class DecodePlan(NamedTuple):
     def workspace_offsets(self) -> Tuple[int, int]:
         """Byte offsets of ws_l and ws_m in the splits' workspace (ws_o first, at 0)."""
         split_rows = self.num_splits * self.total_rows
-        ws_l = _align(4 * split_rows * self.dv)
-        return ws_l, ws_l + _align(4 * split_rows)
+        ws_l = _plan.align(4 * split_rows * self.dv)
+        return ws_l, ws_l + _plan.align(4 * split_rows)
 
     @property
     def workspace_bytes(self) -> int:
@@ -89,7 +89,7 @@ class DecodePlan(NamedTuple):
         decide it, so the JAX adapter sizes its workspace output with it at trace time."""
         if self.combine is None:
             return 0
-        return self.workspace_offsets[1] + _align(4 * self.num_splits * self.total_rows)
+        return self.workspace_offsets[1] + _plan.align(4 * self.num_splits * self.total_rows)
 
 
 # ---- checks ---------------------------------------------------------------------------------
@@ -405,9 +405,6 @@ class DecodeLaunch:
 def _fmt(fields) -> str:
     return "<" + "".join(kind for _, kind in fields)
 
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // 256) * 256
 
 
 # id(plan) -> (plan, DecodeLaunch): the plan is held so that its id is not reused.

@@ -574,8 +574,8 @@ def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad):
     sizes its workspace output with it at trace time)."""
     q_shape, k_shape, v_shape = grad_shapes
     nq, d, nk, dv = q_shape[-2], q_shape[-1], k_shape[-2], v_shape[-1]
-    delta_offset = _align(4 * num_batch * nq_pad * 2)
-    end = delta_offset + _align(4 * num_batch * nq_pad)
+    delta_offset = align(4 * num_batch * nq_pad * 2)
+    end = delta_offset + align(4 * num_batch * nq_pad)
     # When k and v are not broadcast or grouped, each key row gets its gradient from one CTA:
     # the kernel writes dK and dV final, in the input dtype.
     kv_direct = all(tuple(s[:-2]) == out_lead for s in (k_shape, v_shape))
@@ -590,7 +590,7 @@ def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad):
         grouped_lead = out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
         kind = "reduce" if own_lead == grouped_lead else "generic"
         grads.append(GradientOut(kind, end, acc_shape, group, tuple(shape)))
-        end += _align(4 * math.prod(acc_shape))
+        end += align(4 * math.prod(acc_shape))
     return tuple(grads), delta_offset, end
 
 
@@ -603,7 +603,8 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """n bytes rounded up to _WORKSPACE_ALIGN (where a workspace's parts start)."""
     return -(-n // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
 
 

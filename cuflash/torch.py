@@ -202,7 +202,7 @@ def _decode_run(launch, q, k, v, page_table, seqlens_k):
     plan, device = launch.plan, q.device
     o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
     rows = math.prod(plan.out_shape[:-1])
-    workspace_at = -(-8 * rows // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN  # bytes: l and m, then the workspace
+    workspace_at = _plan.align(8 * rows)  # bytes: l and m, then the workspace
     floats = (workspace_at + launch.workspace_bytes) // 4 if launch.workspace_bytes else 2 * rows
     stats = torch.empty(floats, dtype=torch.float32, device=device)
     l = stats.data_ptr()
@@ -211,8 +211,6 @@ def _decode_run(launch, q, k, v, page_table, seqlens_k):
                l + workspace_at if launch.workspace_bytes else 0, _raw_stream(device.index))
     return o, stats
 
-
-_WORKSPACE_ALIGN = 256  # bytes: where a decoding call's workspace starts in its statistics buffer
 
 
 def _sum_keeping(x, axes):
