@@ -8,6 +8,7 @@ and hands the plan their pointers and CuPy's current stream.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -93,6 +94,97 @@ def _stream_on(device_id):
         return cupy.cuda.get_current_stream().ptr, False
 
 
+# ---- outputs -------------------------------------------------------------------------------
+
+
+def output_specs(shapes_and_dtypes) -> tuple:
+    """((shape, dtype, byte offset, C-contiguous byte strides, bytes), ...) of arrays laid out
+    one after another in one allocation (each start aligned by _plan.align), and the
+    allocation's size in bytes."""
+    specs, end = [], 0
+    for shape, dtype in shapes_and_dtypes:
+        dtype, shape = np.dtype(dtype), tuple(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        strides = tuple(s * dtype.itemsize for s in _plan.contiguous_strides(shape))
+        specs.append((shape, dtype, end, strides, nbytes))
+        end += _plan.align(nbytes)
+    return tuple(specs), end
+
+
+def new_outputs(specs, nbytes: int) -> list:
+    """The arrays of :func:`output_specs` on the current device: one allocation from CuPy's
+    pool (one allocation costs the host less than one each), which every array keeps alive."""
+    import cupy
+
+    if not nbytes:
+        return [cupy.empty(spec[0], spec[1]) for spec in specs]
+    memory = cupy.cuda.alloc(nbytes)
+    return [cupy.ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset, _, _ in specs]
+
+
+def extent(shape, strides, itemsize: int):
+    """(first, end) byte offsets an array of ``shape`` and element ``strides`` touches from its
+    pointer, or None for an empty array."""
+    if not math.prod(shape):
+        return None
+    first = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
+    last = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
+    return first, last + itemsize
+
+
+def given_outputs(out, names, specs, device_id: int, inputs) -> list:
+    """``out`` (the caller's arrays for ``names``) as CuPy arrays, each checked against its
+    spec (shape, dtype, C-contiguous, on ``device_id``) and against overlapping another output
+    or one of ``inputs``: ((name, pointer, (first, end) or None), ...)."""
+    import cupy
+
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise TypeError(f"out must be a tuple ({', '.join(names)}) of {len(names)} arrays, got "
+                        f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    arrays = [x if type(x) is cupy.ndarray else as_cupy(x, f"out's {name}") for x, name in zip(out, names)]
+    spans = []
+    for x, (shape, dtype, _, strides, nbytes), name in zip(arrays, specs, names):
+        if (x.shape != shape or x.dtype != dtype or (x.strides != strides and not x.flags.c_contiguous)
+                or x.data.device_id != device_id):
+            _refuse_output(x, name, shape, dtype, device_id)
+        if nbytes:
+            start = x.data.ptr
+            spans.append((start, start + nbytes))
+    for i, (start, end) in enumerate(spans):
+        for j in range(i + 1, len(spans)):
+            if start < spans[j][1] and spans[j][0] < end:
+                raise ValueError(f"out's {names[i]} overlaps out's {names[j]}: outputs must not share memory "
+                                 f"with the inputs or with each other")
+        for other, ptr, span in inputs:
+            if span is not None and start < ptr + span[1] and ptr + span[0] < end:
+                raise ValueError(f"out's {names[i]} overlaps {other}: outputs must not share memory with the "
+                                 f"inputs or with each other")
+    return arrays
+
+
+def _refuse_output(x, name, shape, dtype, device_id):
+    if x.data.device_id != device_id:
+        raise ValueError(f"out's {name} is on device {x.data.device_id}, the inputs on device {device_id}")
+    raise ValueError(f"out's {name} must be a C-contiguous {dtype} array of shape {shape}, got shape "
+                     f"{x.shape}, dtype {x.dtype}, strides {x.strides}")
+
+
+def _forward_outputs(plan, q, k, v, out):
+    """o, l, m of a forward plan's call: new (one allocation) or the caller's, checked."""
+    specs = plan.cupy_outputs
+    if specs is None:
+        specs = plan.cupy_outputs = output_specs(((plan.o_shape, q.dtype), (plan.stats_shape, np.float32),
+                                                  (plan.stats_shape, np.float32)))
+    if out is None:
+        return new_outputs(*specs)
+    extents = plan.cupy_extents
+    if extents is None:
+        size = q.dtype.itemsize
+        extents = plan.cupy_extents = tuple((name, extent(shape, strides, size)) for name, shape, strides in plan.operands)
+    inputs = [(name, x.data.ptr, e) for (name, e), x in zip(extents, (q, k, v))]
+    return given_outputs(out, ("o", "l", "m"), specs[0], plan.device_id, inputs)
+
+
 # (argument shapes, strides, dtypes, devices, options) -> plan: a call repeating a signature
 # skips even the normalisation of its arguments. Arguments that cannot be hashed (a boolean
 # array as block_mask, a list as window) take the normalising path every time.
@@ -117,7 +209,7 @@ def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
               window=None, page_table=None, seqlens_k=None, num_splits=None, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> AttentionOutput:
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, out=None) -> AttentionOutput:
     """Exact scaled dot-product attention, computed tile by tile (FlashAttention).
 
     Args:
@@ -177,6 +269,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             is still computed whole; None computes them from the boundaries (one host sync).
             Returns o (Hq, total_q, dv), l and m (Hq, total_q); rows that no sequence covers are
             left unwritten. Not with block_mask or the decoding arguments.
+        out: (o, l, m) to write instead of new arrays: C-contiguous, of the shapes and dtypes
+            returned below, on q's device, sharing no memory with the inputs or each other;
+            returned as given. Without it o, l and m are new arrays of one allocation (which
+            each of them keeps alive).
 
     Returns:
         AttentionOutput(o, l, m) of CuPy arrays: o (..., Nq, dv) in q's dtype, l and m
@@ -196,7 +292,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         _checks.check_varlen_options(block_mask, page_table, seqlens_k, num_splits)
         return _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k)
+                                 max_seqlen_k, out)
     try:
         key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
                q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
@@ -211,18 +307,16 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         page_table = None if page_table is None else as_cupy(page_table, "page_table")
         seqlens_k = None if seqlens_k is None else as_cupy(seqlens_k, "seqlens_k")
         return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                                        seqlens_k=seqlens_k, num_splits=num_splits)
+                                        seqlens_k=seqlens_k, num_splits=num_splits, out=out)
     if plan is None:
         plan = _forward_plan(q, k, v, causal, scale, block_mask, block_size, window)
         if key is not None:
             _plan.remember(_forward_calls, key, plan)
     if plan.decode:
-        return _decode.run_routed(plan, q, k, v, causal, scale, window)
+        return _decode.run_routed(plan, q, k, v, causal, scale, window, out)
     stream, current = _stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        o = cupy.empty(plan.o_shape, dtype=q.dtype)
-        l = cupy.empty(plan.stats_shape, dtype=np.float32)
-        m = cupy.empty(plan.stats_shape, dtype=np.float32)
+        o, l, m = _forward_outputs(plan, q, k, v, out)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream)
     return AttentionOutput(o, l, m)
 
@@ -261,7 +355,8 @@ def _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
     return max_q, max_k
 
 
-def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      out=None):
     import cupy
 
     cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
@@ -274,9 +369,7 @@ def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k
                                      num_seqs, max_q, (q.data.ptr, k.data.ptr, v.data.ptr))
     stream, current = _stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        o = cupy.empty(plan.o_shape, dtype=q.dtype)
-        l = cupy.empty(plan.stats_shape, dtype=np.float32)
-        m = cupy.empty(plan.stats_shape, dtype=np.float32)
+        o, l, m = _forward_outputs(plan, q, k, v, out)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream, cu_q.data.ptr,
              cu_k.data.ptr)
     return AttentionOutput(o, l, m)
@@ -310,7 +403,7 @@ def _sum_keeping(x, axes):
 def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None,
                        deterministic: bool = False, block_mask=None, block_size=None,
                        window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None) -> AttentionGradients:
+                       max_seqlen_k=None, out=None) -> AttentionGradients:
     """Gradients of :func:`attention`, recomputing S and P tile by tile (no N x N buffer).
 
     Args:
@@ -325,6 +418,10 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch,
             as given to the forward (do, o (Hq, total_q, dv); l, m (Hq, total_q)). Gradient
             rows that no sequence covers are unspecified.
+        out: (dq, dk, dv) to write instead of new arrays: C-contiguous, shaped and typed like
+            q, k and v, on their device, sharing no memory with the inputs or each other;
+            returned as given. Without it the gradients are new arrays of one allocation
+            (which each of them keeps alive).
 
     Returns:
         AttentionGradients(dq, dk, dv) of CuPy arrays with q's, k's and v's shapes and dtype.
@@ -341,7 +438,7 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         _checks.check_varlen_options(block_mask)
         return _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k)
+                                max_seqlen_q, max_seqlen_k, out)
     try:
         key = tuple((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
             causal, scale, deterministic, block_mask, block_size, window, _config.GENERATION[0])
@@ -352,17 +449,37 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         plan = _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window)
         if key is not None:
             _plan.remember(_backward_calls, key, plan)
-    return _run_backward(plan, arrays)
+    return _run_backward(plan, arrays, out)
 
 
-def _run_backward(plan, arrays, *cu_seqlens):
-    """Outputs and workspace from CuPy's pool, the plan's launches on CuPy's current stream."""
+def _backward_outputs(plan, arrays, out) -> tuple:
+    """(dq, dk, dv, or None for a gradient summed by CuPy; the caller's arrays or None)."""
+    q = arrays[1]
+    if plan.cupy_outputs is None:  # the kernels' gradients, in one allocation
+        plan.cupy_outputs = output_specs((g.shape, q.dtype) for g in plan.grads if g.kind != "generic")
+    if out is None:
+        made = iter(new_outputs(*plan.cupy_outputs))
+        return [None if g.kind == "generic" else next(made) for g in plan.grads], None
+    if plan.cupy_extents is None:  # of do, q, k, v, o, l, m; and the specs of all three gradients
+        size, (l, m) = q.dtype.itemsize, arrays[5:]
+        plan.cupy_extents = (tuple((name, extent(shape, strides, size)) for name, shape, strides in plan.operands)
+                             + (("l", (0, l.nbytes) if l.nbytes else None), ("m", (0, m.nbytes) if m.nbytes else None)),
+                             output_specs((g.shape, q.dtype) for g in plan.grads)[0])
+    extents, specs = plan.cupy_extents
+    inputs = [(name, x.data.ptr, e) for (name, e), x in zip(extents, arrays)]
+    given = given_outputs(out, ("dq", "dk", "dv"), specs, plan.device_id, inputs)
+    return [None if g.kind == "generic" else x for g, x in zip(plan.grads, given)], given
+
+
+def _run_backward(plan, arrays, out, *cu_seqlens):
+    """Outputs (unless given) and workspace from CuPy's pool, the plan's launches on CuPy's
+    current stream."""
     import cupy
 
     do, q, k, v, o, l, m = arrays
     stream, current = _stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        grads = [None if g.kind == "generic" else cupy.empty(g.shape, dtype=q.dtype) for g in plan.grads]
+        grads, given = _backward_outputs(plan, arrays, out)
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = workspace.ptr if workspace is not None else 0
         plan.run(do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
@@ -371,11 +488,14 @@ def _run_backward(plan, arrays, *cu_seqlens):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
                 grads[index] = _broadcast.reduce_to(acc, plan.out_lead, g.shape, g.group, _sum_keeping).astype(q.dtype)
+                if given is not None:
+                    given[index][...] = grads[index]
+                    grads[index] = given[index]
     return AttentionGradients(*grads)
 
 
 def _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k):
+                     max_seqlen_k, out=None):
     do, q, k, v, o, l, m = arrays
     cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
     _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
@@ -388,4 +508,4 @@ def _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q,
     plan = _plan.varlen_backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),
                                       dtype, stats, device, causal, scale, window_option(window), deterministic,
                                       num_seqs, max_q, max_k, tuple(x.data.ptr for x in tensors))
-    return _run_backward(plan, arrays, cu_q.data.ptr, cu_k.data.ptr)
+    return _run_backward(plan, arrays, out, cu_q.data.ptr, cu_k.data.ptr)

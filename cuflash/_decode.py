@@ -298,7 +298,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
 
 
 def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
-                     seqlens_k=None, num_splits=None) -> _api.AttentionOutput:
+                     seqlens_k=None, num_splits=None, out=None) -> _api.AttentionOutput:
     """Attention of a few queries a head against a KV cache, split over the keys.
 
     Args:
@@ -323,6 +323,7 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
             right; -1 leaves a side unbounded. Combines with causal.
         num_splits: None (chosen from the batch, heads, row tiles, capacity and SM count) or
             1..MAX_DECODE_SPLITS: the key range of each (batch, k/v head) in that many CTAs.
+        out: (o, l, m) to write, as :func:`cuflash.attention` takes it.
 
     Returns:
         AttentionOutput(o, l, m): o (batch..., Hq, Nq, dv) in q's dtype, l and m (batch...,
@@ -335,6 +336,8 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
         >>> o, l, m = decode_attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2),
         ...                            page_table=block_tables, seqlens_k=context_lens)
     """
+    import cupy
+
     q, k, v = _api.as_cupy(q, "q"), _api.as_cupy(k, "k"), _api.as_cupy(v, "v")
     with q.device:
         device_id = q.device.id
@@ -352,7 +355,19 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
                                seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id))
             if key is not None:
                 _plan.remember(_plans, key, plan)
-        return run_plan(plan, q, k, v, page_table=page_table, seqlens_k=seqlens_k)
+        launch = bound_launch(plan, device_id)
+        if out is not None:
+            out = _checked_out(launch, out, q, k, v, page_table, seqlens_k)
+        return _run_launch(launch, q, k, v, page_table, seqlens_k, None, out, cupy.cuda.get_current_stream().ptr)
+
+
+def _checked_out(launch, out, *arrays):
+    """The caller's (o, l, m) of a decoding call, checked like the forward's (cuflash._api)."""
+    names = ("q", "k", "v", "page_table", "seqlens_k")
+    inputs = [(name, x.data.ptr, _api.extent(x.shape, _element_strides(x, name), x.dtype.itemsize))
+              for name, x in zip(names, arrays) if x is not None]
+    return _api.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
+                              arrays[0].data.device_id, inputs)
 
 
 # (shapes, strides, dtypes, devices of q, k, v, page_table, seqlens_k; options) -> DecodePlan:
@@ -387,6 +402,17 @@ class DecodeLaunch:
             self.combine = _plan.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
         self.ctx = _plan.device_context(device_id)
         self.lock = threading.Lock()
+        self._outputs = {}  # q's dtype -> cuflash._api.output_specs of o, l, m and the workspace
+
+    def output_specs(self, dtype):
+        """(specs, bytes) of o, l, m and the splits' workspace (uint8) in one allocation."""
+        specs = self._outputs.get(dtype)
+        if specs is None:
+            stats = self.plan.out_shape[:-1]
+            specs = self._outputs[dtype] = _api.output_specs((
+                (self.plan.out_shape, dtype), (stats, np.float32), (stats, np.float32),
+                ((self.workspace_bytes,), np.uint8)))
+        return specs
 
     def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
         if self.plan.total_rows == 0:
@@ -438,11 +464,11 @@ def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace,
     from CuPy's pool unless given."""
     import cupy
 
-    plan = launch.plan
-    if out is None:
-        o = cupy.empty(plan.out_shape, dtype=q.dtype)
-        l = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
-        m = cupy.empty(plan.out_shape[:-1], dtype=cupy.float32)
+    if out is None and workspace is None:  # one allocation holds them all
+        o, l, m, workspace = _api.new_outputs(*launch.output_specs(q.dtype))
+    elif out is None:
+        o, l, m = _api.new_outputs(*_api.output_specs(
+            (spec[:2] for spec in launch.output_specs(q.dtype)[0][:3])))
     else:
         o, l, m = out
     ws = 0
@@ -460,7 +486,7 @@ def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace,
     return _api.AttentionOutput(o, l, m)
 
 
-def run_routed(forward_plan, q, k, v, causal: bool, scale, window) -> _api.AttentionOutput:
+def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> _api.AttentionOutput:
     """A call of :func:`cuflash.attention` without decoding arguments that its forward plan
     routes here (``forward_plan.decode``, see :func:`routes_short_queries`): the bound launch is
     kept on that plan, so a repeated call looks nothing up again."""
@@ -474,6 +500,8 @@ def run_routed(forward_plan, q, k, v, causal: bool, scale, window) -> _api.Atten
         with q.device:
             plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_plan.sm_count(device_id))
         launch = forward_plan.decode_launch = bound_launch(plan, device_id)
+    if out is not None:
+        out = _checked_out(launch, out, q, k, v)
     stream, current = _api._stream_on(forward_plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):
-        return _run_launch(launch, q, k, v, None, None, None, None, stream)
+        return _run_launch(launch, q, k, v, None, None, None, out, stream)

@@ -313,6 +313,9 @@ class ForwardPlan:
         # backward of a call this plan ran: the rest of the backward's signature follows from it.
         self.backward_plans: dict = {}
         self.varlen = False  # the launch reads cu_seqlens_q / cu_seqlens_k (run's last arguments)
+        # The CuPy front end's, made at its first call: the outputs' one-allocation layout, and
+        # the byte extents of q, k and v (against which caller-given outputs are checked).
+        self.cupy_outputs = self.cupy_extents = None
 
     @property
     def variant(self):
@@ -429,6 +432,9 @@ class BackwardPlan:
         self.reduces = reduces  # (Kernel, gradient index)
         self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
         self.varlen = False  # the launches read cu_seqlens_q / cu_seqlens_k (run's last arguments)
+        # The CuPy front end's, made at its first call: the gradients' one-allocation layout; the
+        # byte extents of the inputs and the specs of caller-given gradients.
+        self.cupy_outputs = self.cupy_extents = None
         self.ctx = device_context(device_id)
         self.lock = threading.Lock()
 

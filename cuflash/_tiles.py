@@ -112,16 +112,18 @@ SM90_BULK_DQ = {64: False, 128: True}
 # spilled 144-180 bytes (sm_80 and sm_90a, two stages); it needs O's columns split over warps.
 DECODE_HEAD_DIM_BUCKETS = (64, 128)
 
-# (block_cols, warps, stages) per (head-dim bucket, row warps). Four warps; three stages, so
-# two tiles are in flight a CTA while one is computed. A stage of K and V is 32 KB at one and
-# two row warps (block_cols 128 at head dim 64, 64 at 128), and the shared memory of each form
-# (<= 113 KB) lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved a CTA) and one
-# an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole tile's S:
-# smaller tiles there (64 and 48 keys: 18 and 26 KB a stage) keep two CTAs an SM and S at 32
-# or 24 registers. Predicted, not yet measured: Little's law at ~4.2 TB/s over 132 SMs and ~1
-# us of latency asks ~32 KB in flight an SM; two CTAs keep 72-128 KB.
+# (block_cols, warps, stages) per (head-dim bucket, row warps). Three stages, so two tiles are
+# in flight a CTA while one is computed. A stage of K and V is 32 KB at head dim 128 (64 keys,
+# four warps): 113 KB a CTA lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved
+# a CTA) and one an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole
+# tile's S: smaller tiles there (64 and 48 keys: 18 and 26 KB a stage) keep two CTAs an SM and
+# S at 32 or 24 registers. One row warp at head dim 64 takes eight warps of 16 keys each (128
+# keys, 113 KB, two CTAs an SM). Measured on the H200 (bench/NOTES.md, session 11; GQA 32/8,
+# one query, batch 1-128, 1k-128k keys): of 9 forms at head dim 128 and 8 at 64 (16-256 keys,
+# 1-8 warps, 2-8 stages), these stream fastest; none passes ~4.2 TB/s at large batches, so the
+# bytes in flight (72-160 KB an SM among them) are not what holds the kernel there.
 DECODE_TILES = {
-    (64, 1): (128, 4, 3), (64, 2): (128, 4, 3), (64, 4): (64, 4, 3),
+    (64, 1): (128, 8, 3), (64, 2): (128, 4, 3), (64, 4): (64, 4, 3),
     (128, 1): (64, 4, 3), (128, 2): (64, 4, 3), (128, 4): (48, 4, 3),
 }
 
