@@ -234,8 +234,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 
                 // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
                 // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
-                const bool masked = q_tile < clean_first || q_tile > clean_last;
-                const TileMask mask(band, q0, wk0, nk);
                 // A partial tile's element mask: its block look-ups stay out of the loop below,
                 // whose registers S^T, dK and dV fill (rows of S^T are keys).
                 const unsigned long long keep = SPARSE && tiles.partial(t)
@@ -244,12 +242,27 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 for (int n = 0; n < 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
-                        float pv = recompute_p(acc_s[n][e], scale, st[2 * ql], st[2 * ql + 1]);
-                        if (masked && !mask.allowed(ql, kl)) pv = 0.f;
+                        const int ql = 8 * n + my_col + (e & 1);
+                        const float2 ml = *reinterpret_cast<const float2*>(st + 2 * ql);  // (m, log2 l)
+                        float pv = recompute_p(acc_s[n][e], scale, ml.x, ml.y);
                         if (!kept<8>(keep, 0, n, e)) pv = 0.f;
                         acc_s[n][e] = pv;
                     }
+                // The band's element mask, only on the tiles that cross it. Its tile origin
+                // passes an empty asm after S^T's wait, so the compiler cannot hoist the 32
+                // tests above it, where it had them run (predicated off) on every tile.
+                if (q_tile < clean_first || q_tile > clean_last) {
+                    i64 mask_q0 = q0;
+                    asm volatile("" : "+l"(mask_q0));
+                    const TileMask mask(band, mask_q0, wk0, nk);
+#pragma unroll
+                    for (int n = 0; n < 8; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
+                            if (!mask.allowed(ql, kl)) acc_s[n][e] = 0.f;
+                        }
+                }
                 u32 p_frag[4][4];
                 pack_frags<T>(acc_s, p_frag);
 
@@ -285,9 +298,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         for (int h = 0; h < 2; ++h) {
                             const int n = 2 * kk + half;
                             const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
-                            const float* d = st + 2 * kBwd90Rows + 8 * n + my_col;
-                            acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d[0]);
-                            acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d[1]);
+                            const float2 d = *reinterpret_cast<const float2*>(st + 2 * kBwd90Rows + 8 * n + my_col);
+                            acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d.x);
+                            acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d.y);
                         }
 
                 // -- dK += dS^T Q --

@@ -67,9 +67,15 @@ __device__ __forceinline__ unsigned long long descriptor(u32 addr, u32 leading, 
 // `row` on, reduction columns [16 kk, 16 kk + 16). Eight-row groups are 1024 bytes apart; the
 // leading offset is unused with this swizzle. Inside a column block the start moves by 32
 // bytes per 16 columns.
+//
+// The step from the descriptor of column 0 is added to the descriptor itself, a constant for
+// an unrolled kk: the start field holds address >> 4 and a shared-memory address stays under
+// 2^18, so the sum never carries out of it. (Encoding each step's descriptor from its address
+// cost ten instructions a wgmma, a third of the backward's loop.)
 template <int ROWS>
 __device__ __forceinline__ unsigned long long kmajor_desc(u32 tile, int row, int kk) {
-    return descriptor(tile + (kk / 4) * ROWS * kSwizzleRowBytes + row * kSwizzleRowBytes + (kk % 4) * 32, 16, 1024);
+    return descriptor(tile + row * kSwizzleRowBytes, 16, 1024) +
+           (u32)(((kk / 4) * ROWS * kSwizzleRowBytes + (kk % 4) * 32) >> 4);
 }
 
 // An operand stored MN-major (the output dim contiguous: V of O += P V, whose reduction dim
@@ -77,7 +83,7 @@ __device__ __forceinline__ unsigned long long kmajor_desc(u32 tile, int row, int
 // apart (stride offset); 64-wide column blocks are ROWS rows apart (leading offset).
 template <int ROWS>
 __device__ __forceinline__ unsigned long long mnmajor_desc(u32 tile, int kk) {
-    return descriptor(tile + kk * 16 * kSwizzleRowBytes, ROWS * kSwizzleRowBytes, 1024);
+    return descriptor(tile, ROWS * kSwizzleRowBytes, 1024) + (u32)((kk * 16 * kSwizzleRowBytes) >> 4);
 }
 
 // ---- wgmma -------------------------------------------------------------------------------
