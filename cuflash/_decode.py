@@ -464,11 +464,12 @@ def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace,
     from CuPy's pool unless given."""
     import cupy
 
-    if out is None and workspace is None:  # one allocation holds them all
-        o, l, m, workspace = _api.new_outputs(*launch.output_specs(q.dtype))
-    elif out is None:
-        o, l, m = _api.new_outputs(*_api.output_specs(
-            (spec[:2] for spec in launch.output_specs(q.dtype)[0][:3])))
+    if out is None:
+        specs, nbytes = launch.output_specs(q.dtype)
+        if workspace is None:  # one allocation holds them all
+            o, l, m, workspace = _api.new_outputs(specs, nbytes)
+        else:  # o, l and m alone: the layout's first three, up to where the workspace starts
+            o, l, m = _api.new_outputs(specs[:3], specs[3][2])
     else:
         o, l, m = out
     ws = 0
