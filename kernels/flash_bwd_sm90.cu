@@ -102,6 +102,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     using L = Bwd90SmemLayout<HD, STAGES>;
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
     constexpr bool kDvUnderDs = HD == 64;  // dV's matmul runs while dS^T is formed (below)
+    // dP^T's matmul runs while P^T is formed (+2-3% at head dim 64); at 128 its accumulators in
+    // flight spill the atomic forms' 232 registers by 224-240 bytes.
+    constexpr bool kDpUnderP = HD == 64;
+    static_assert(!kDpUnderP || kDvUnderDs, "dP^T issued early is waited for apart from dV");
     // dS^T in two buffers, by stage, so the warpgroups need not meet after dQ. At head dim 128 the
     // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
     constexpr bool kDoubleDs = HD == 64;
@@ -221,15 +225,28 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 sm90::mbarrier_wait(bar.full(s), (r / STAGES) & 1);
                 sm90::fence_async_shared();
 
-                // -- S^T = K Q^T --
-                float acc_s[8][4];
+                // -- S^T = K Q^T; with kDpUnderP, dP^T = V dO^T issued right behind it, so that
+                // the tensor cores compute dP^T while P^T is formed --
+                float acc_s[8][4], acc_dp[8][4];
+                auto issue_dp = [&] {
+#pragma unroll
+                    for (int kk = 0; kk < HD / 16; ++kk)
+                        sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
+                                              sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+                };
                 sm90::wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < HD / 16; ++kk)
                     sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
                                           sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
                 sm90::wgmma_commit();
-                sm90::wgmma_wait<0>();
+                if constexpr (kDpUnderP) {
+                    issue_dp();
+                    sm90::wgmma_commit();
+                    sm90::wgmma_wait<1>();  // S^T is done; dP^T may still run
+                } else {
+                    sm90::wgmma_wait<0>();
+                }
                 sm90::fence_operand(acc_s);
 
                 // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
@@ -266,17 +283,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 u32 p_frag[4][4];
                 pack_frags<T>(acc_s, p_frag);
 
-                // -- dP^T = V dO^T and dV += P^T dO. At head dim 64, dV is a second group and dS^T
-                // is formed while it runs (p_frag, its A operand, is only read meanwhile); at 128
+                // -- (without kDpUnderP dP^T = V dO^T now, and) dV += P^T dO. At head dim 64 dS^T
+                // is formed while dV runs (p_frag, its A operand, is only read meanwhile); at 128
                 // that spills (dV in flight pins 64 more registers), so both are waited for at once --
-                float acc_dp[8][4];
                 sm90::fence_operand(acc_dv);
                 sm90::wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < HD / 16; ++kk)
-                    sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
-                                          sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
-                if constexpr (kDvUnderDs) sm90::wgmma_commit();
+                if constexpr (!kDpUnderP) issue_dp();
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
                     sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);

@@ -313,6 +313,8 @@ def test_torch_compile_fullgraph(rng):
 
 @gpu_torch
 def test_torch_opcheck(rng):
+    import cuflash.torch  # noqa: F401  (registers torch.ops.cuflash, whichever test ran before)
+
     (q, k, v), _, (cu_q, cu_k), _ = torch_packed(rng, "bfloat16", (48, 1, 30), (80, 2, 30))
     args = (q, k, v, True, None, None, -1, -1, cu_q, cu_k, 48, 80)
     torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, args)
