@@ -477,21 +477,29 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         if (!TMA) cp_async_wait<0>();  // nothing may be in flight when the thread exits
     } else {
         sm90::claim_registers<kConsumerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, i, w); ++i) {
+        auto run_item = [&](int ctid) {
             const SliceGeometry g = VARLEN ? g_cta : slice_geometry<false>(p, w.bidx);
             const Band band = g.band<CAUSAL>(p);
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < g.nq ? q0 + kSm90Rows : g.nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC, g.nk);
-            // At head dim 64 the plain thread index: there the opaque one (slice.cuh) cost the
-            // varlen tile loop 54 of its 840 instructions; above 64, without it, the varlen
-            // forms spill 732-1228 bytes.
             consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE>(
-                p, g, tiles, band, q0, HD == 64 ? tid : item_thread_index<VARLEN>(), sQ, sK, sV, bar, ring);
+                p, g, tiles, band, q0, ctid, sQ, sK, sV, bar, ring);
             if (tiles.count > 0) {
                 ring.first_tile += tiles.count;
                 ++ring.q_round;
             }
+        };
+        // At head dim 128 a varlen CTA whose grid row covers its sequence has one item: it runs
+        // it outside the item loop, on the plain thread index. Inside the loop, above head dim
+        // 64, the index must be opaque (slice.cuh): without it those forms spill 732-1228 bytes
+        // (at 256 the one-item copy alongside spills 44-52); at 64 the opaque index cost the
+        // loop 54 of its 840 instructions and nothing spills without it.
+        if (VARLEN && HD == 128 && first_item<VARLEN>() + item_step<VARLEN>() >= n_q_tiles) {
+            if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, 0, w)) run_item(tid);
+        } else {
+            for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, i, w); ++i)
+                run_item(HD == 64 ? tid : item_thread_index<VARLEN>());
         }
     }
 }
