@@ -362,10 +362,15 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
 
 
 def _checked_out(launch, out, *arrays):
-    """The caller's (o, l, m) of a decoding call, checked like the forward's (cuflash._api)."""
-    names = ("q", "k", "v", "page_table", "seqlens_k")
-    inputs = [(name, x.data.ptr, _api.extent(x.shape, _element_strides(x, name), x.dtype.itemsize))
-              for name, x in zip(names, arrays) if x is not None]
+    """The caller's (o, l, m) of a decoding call, checked like the forward's (cuflash._api)
+    against q, k, v (and page_table, seqlens_k where given), whose byte extents follow from
+    the launch's signature and are kept on it."""
+    given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), arrays) if x is not None]
+    extents = launch.input_extents
+    if extents is None:
+        extents = launch.input_extents = tuple(_api.extent(x.shape, _element_strides(x, name), x.dtype.itemsize)
+                                               for name, x in given)
+    inputs = [(name, x.data.ptr, e) for (name, x), e in zip(given, extents)]
     return _api.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
                               arrays[0].data.device_id, inputs)
 
@@ -403,6 +408,7 @@ class DecodeLaunch:
         self.ctx = _plan.device_context(device_id)
         self.lock = threading.Lock()
         self._outputs = {}  # q's dtype -> cuflash._api.output_specs of o, l, m and the workspace
+        self.input_extents = None  # of the inputs a call with out= checks it against (_checked_out)
 
     def output_specs(self, dtype):
         """(specs, bytes) of o, l, m and the splits' workspace (uint8) in one allocation."""
