@@ -187,7 +187,7 @@ FWD_PARAM_FORMAT = "<" + "".join((
 # The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
 CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-3]) // 8
 # struct BwdParams: the nine pointers first (words 0-8).
-BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "qq"
+BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "qq" + "q"
 # struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.
 REDUCE_PARAM_FORMAT = "<QQqqq"
 # The block-sparsity fields of a dense launch: null lists, so the kernel walks every tile.
@@ -490,10 +490,10 @@ def _check_stats(stats, stats_shape):
             )
 
 
-def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype, zero_dq_acc=False):
+def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype, zero_dq_acc=False, head_group=1):
     """struct BwdParams with its pointers 0 (a call writes them); strides: do, q, k, v, o."""
     return _words(struct.pack(BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2],
-                              strides[4][-2], int(dkv_in_dtype), int(zero_dq_acc)))
+                              strides[4][-2], int(dkv_in_dtype), int(zero_dq_acc), head_group))
 
 
 def _reduce_kernels(grads, out_lead, dtype, device_id):

@@ -87,6 +87,10 @@ struct BwdParams {
     i64 do_row_stride, o_row_stride;
     i64 dkv_in_dtype;  // 1: k/v are not broadcast, so dK/dV are final and stored as T directly
     i64 zero_dq_acc;   // 1: the preprocess zeroes each slice's rows of dq_acc (dense, atomic dQ)
+    // Query heads one wgmma key-pass CTA walks (flash_bwd_sm90.cu): G > 1 sums dK and dV over G
+    // consecutive heads of a k/v group in registers, its grid then spans num_batch / G slices; 1
+    // elsewhere (every other kernel reads it as 1).
+    i64 head_group;
 };
 
 // Offset of one (batch..., head) slice of a tensor laid out over the output's leading dims.
