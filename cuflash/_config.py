@@ -185,14 +185,17 @@ def forward_tiles_override(tiles_by_bucket):
 
 def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *,
                   hopper: bool = True, sparse: bool = False, wgmma: bool = False,
-                  wgmma_backward_on: typing.Optional[bool] = None, varlen: bool = False) -> BackwardPlan:
+                  wgmma_backward_on: typing.Optional[bool] = None, varlen: bool = False,
+                  grouped: bool = False) -> BackwardPlan:
     """The kernels one backward launches; ``hopper``: the GPU has compute capability >= 9.0;
     ``sparse``: they walk block-sparse tile lists; ``wgmma``: the GPU has wgmma, and the
     wgmma key pass is switched on (``wgmma_backward_on``, default the module switch);
-    ``varlen``: a packed variable-length batch, every kernel in its VARLEN form (never sparse)."""
+    ``varlen``: a packed variable-length batch, every kernel in its VARLEN form (never sparse);
+    ``grouped``: a wgmma key pass walks several query heads of a k/v head
+    (backward_head_group; never sparse)."""
     if varlen:
         plan = backward_plan(dtype, d, dv, causal, deterministic, hopper=hopper, wgmma=wgmma,
-                             wgmma_backward_on=wgmma_backward_on)
+                             wgmma_backward_on=wgmma_backward_on, grouped=grouped)
 
         def packed(kernel):
             return None if kernel is None else dataclasses.replace(kernel, varlen=True)
@@ -206,7 +209,8 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
         dq_tiles = _tiles.TC_BACKWARD_DQ_TILES[d]
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *dq_tiles, causal, sparse)
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  bulk_dq=_tiles.SM90_BULK_DQ[d] and not deterministic)
+                                  bulk_dq=_tiles.SM90_BULK_DQ[d] and not deterministic,
+                                  grouped=grouped and not sparse and not deterministic)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)
@@ -238,9 +242,20 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     return BackwardPlan(pre, passes, dq, atomic)
 
 
-def backward_tiles_override(tiles_by_bucket):
-    """Temporarily replace _tiles.TC_BACKWARD_TILES entries (tuning runs, like forward_tiles_override)."""
-    return _table_override(_tiles.TC_BACKWARD_TILES, tiles_by_bucket)
+# A grouped key pass (GQA) keeps at least this many CTAs a wave of SMs: measured on the H200
+# (bench/NOTES.md, session 14).
+GROUPED_BACKWARD_WAVES = 7
+
+
+def backward_head_group(kv_group: int, num_batch: int, key_tiles: int, sm_count: int) -> int:
+    """How many query heads of a k/v group one wgmma key-pass CTA walks: the largest divisor of
+    ``kv_group`` that leaves GROUPED_BACKWARD_WAVES waves of CTAs (``num_batch`` query-head
+    slices, ``key_tiles`` CTAs each), else 1. Its dK and dV are then summed over those heads in
+    registers and written once, instead of a float32 slice a head that grad_reduce.cu sums."""
+    for group in range(kv_group, 1, -1):
+        if kv_group % group == 0 and num_batch // group * key_tiles >= GROUPED_BACKWARD_WAVES * sm_count:
+            return group
+    return 1
 
 
 def all_backward_variants(hopper: bool = True, wgmma: bool = False):
@@ -250,9 +265,12 @@ def all_backward_variants(hopper: bool = True, wgmma: bool = False):
             for dtype in _constants.TENSOR_CORE_DTYPES:
                 for dim in (64, 128):
                     for deterministic in (False, True):
-                        for sparse, varlen in ((False, False), (True, False), (False, True)):
+                        for sparse, varlen, grouped in ((False, False, False), (True, False, False),
+                                                        (False, True, False), (False, False, True),
+                                                        (False, True, True)):
                             plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper,
-                                                 sparse=sparse, wgmma=True, wgmma_backward_on=True, varlen=varlen)
+                                                 sparse=sparse, wgmma=True, wgmma_backward_on=True, varlen=varlen,
+                                                 grouped=grouped)
                             for kernel in (*plan.key_passes, plan.dq):
                                 if kernel is not None:
                                     variants[kernel.key] = kernel

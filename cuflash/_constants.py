@@ -22,9 +22,8 @@ PARTIAL_TILE = 1 << 30  # flag bit of a tile-list entry whose tile needs the ele
 # kernels check that their query tiles divide it (kStatsRowMultiple).
 STATS_ROW_MULTIPLE = 128
 
-# Decoding (kernels/flash_decode.cu). The first two are also written there (kDecodeRows,
-# kPageGroup); tests/test_decode.py keeps them equal.
-DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows in flash_decode.cu)
+# Decoding (kernels/flash_decode.cu). The first two reach it through kernel_defines().
+DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows, one m16 tile)
 DECODE_PAGE_GROUP = 16  # keys a page-table look-up covers (kPageGroup): the smallest page size
 MAX_DECODE_QUERIES = 16  # queries a head the decoding kernels take (Nq)
 DECODE_PAGE_SIZES = (16, 32, 64, 128, 256)

@@ -25,8 +25,8 @@ from .masks import window_option
 
 MAX_KEY_POSITION = 2**31 - 1  # the kernel counts keys (and capacity + Nq) in 32 bits
 
-# struct DecodeParams in kernels/flash_decode.cu, member by member (tests/test_decode.py
-# checks the header against it).
+# struct DecodeParams in kernels/flash_decode.cu, member by member (each 8 bytes); the kernel
+# static_asserts each member's word as _variants.kernel_defines() passes it from here.
 _DECODE_PARAM_FIELDS = (
     ("q", "Q"), ("k", "Q"), ("v", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
     ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("page_table", "Q"), ("seqlens", "Q"),

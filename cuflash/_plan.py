@@ -539,31 +539,37 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
                                   hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
     nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
+    group = _head_group(kplan, grad_shapes, out_lead, layout.kv_group, num_batch, lambda cols: -(-nk // cols),
+                        device_id)
+    if group > 1:
+        kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=True, wgmma=True, grouped=True)
 
-    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad)
+    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
+                                               group)
     kv_direct = grads[1].kind == "direct"
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
     mask_strides = layout.extra_strides[-1] if mask is not None else ()
     # Atomic dQ adds into a zeroed accumulator: the preprocess, which visits every query row
     # first, zeroes it (one launch fewer than a memset).
-    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", kplan.atomic_dq)
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", kplan.atomic_dq,
+                                group)
     fwd_blocks, kernels = [], []
 
-    def add(variant, grid_x, transpose=False):
+    def add(variant, grid_x, transpose=False, slices=num_batch):
         tiled = mask if variant is not kplan.preprocess else None  # the preprocess walks no tiles
         with _device(device_id):
             sparsity, lists = sparsity_fields(tiled, mask_strides, nq, nk, variant, transpose=transpose,
                                               causal=causal, window=window)
         block = _words(forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))
         fwd_blocks.append(block)
-        kernel = Kernel(variant, device_id, slice_grid(grid_x, num_batch), [block, bwd_block], d, dv)
+        kernel = Kernel(variant, device_id, slice_grid(grid_x, slices), [block, bwd_block], d, dv)
         kernel.lists = lists
         kernels.append(kernel)
 
     add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
-    for variant in kplan.key_passes:  # one CTA per key tile: the transposed lists
-        add(variant, -(-nk // variant.block_cols), transpose=True)
+    for variant in kplan.key_passes:  # one CTA per key tile (and group of heads): the transposed lists
+        add(variant, -(-nk // variant.block_cols), transpose=True, slices=num_batch // group)
     if kplan.dq is not None:  # one CTA per query tile
         add(kplan.dq, -(-nq // kplan.dq.block_rows))
 
@@ -573,11 +579,30 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
                         tuple(fwd_blocks), bwd_block, tuple(reduces))
 
 
-def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad):
+def _groupable(grad_shapes, out_lead, kv_group) -> bool:
+    """Whether k and v are grouped (GQA) over q's heads and broadcast nowhere else."""
+    grouped_lead = out_lead[:-1] + (out_lead[-1] // kv_group,) if kv_group > 1 and out_lead else None
+    return grouped_lead is not None and all(tuple(s[:-2]) == grouped_lead for s in grad_shapes[1:])
+
+
+def _head_group(kplan, grad_shapes, out_lead, kv_group, num_batch, key_tiles, device_id) -> int:
+    """Query heads a wgmma key-pass CTA walks (_config.backward_head_group), 1 where it cannot;
+    key_tiles(block_cols): the key pass's grid along x."""
+    key_pass = kplan.key_passes[0]
+    if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.atomic_dq and not key_pass.sparse
+            and _groupable(grad_shapes, out_lead, kv_group)):
+        return 1
+    return _config.backward_head_group(kv_group, num_batch, key_tiles(key_pass.block_cols), sm_count(device_id))
+
+
+def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad, head_group=1):
     """(GradientOut of dq, dk, dv; delta's offset; workspace bytes) of a backward: lse2
     (num_batch, nq_pad, 2) at 0, delta (num_batch, nq_pad), then the float32 accumulators of
-    the gradients the kernels cannot write in place. Shapes alone decide it (the JAX adapter
-    sizes its workspace output with it at trace time)."""
+    the gradients the kernels cannot write in place. head_group: the query heads a key-pass CTA
+    walks (a divisor of kv_group, k and v _groupable): dK and dV are summed over them in the
+    kernel, so written in place when it is kv_group, else accumulated over kv_group / head_group
+    slices a k/v head. Shapes alone decide it (the JAX adapter sizes its workspace output with
+    it at trace time)."""
     q_shape, k_shape, v_shape = grad_shapes
     nq, d, nk, dv = q_shape[-2], q_shape[-1], k_shape[-2], v_shape[-1]
     delta_offset = align(4 * num_batch * nq_pad * 2)
@@ -595,6 +620,12 @@ def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad):
         group = 1 if index == 0 else kv_group
         grouped_lead = out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
         kind = "reduce" if own_lead == grouped_lead else "generic"
+        if index > 0 and head_group > 1:
+            if head_group == kv_group:  # summed over the whole group in the kernel
+                grads.append(GradientOut("direct", 0, tuple(shape), 1, tuple(shape)))
+                continue
+            acc_shape = out_lead[:-1] + (out_lead[-1] // head_group,) + acc_shape[-2:]
+            group = kv_group // head_group
         grads.append(GradientOut(kind, end, acc_shape, group, tuple(shape)))
         end += align(4 * math.prod(acc_shape))
     return tuple(grads), delta_offset, end
@@ -726,24 +757,29 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=_config.is_hopper(cc),
                                   wgmma=_config.has_wgmma(cc), varlen=True)
     nq_pad = varlen_stats_rows(total_q, num_seqs)  # per head
-    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad)
+    group = _head_group(kplan, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
+                        lambda cols: varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
+    if group > 1:
+        kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=True, wgmma=True, varlen=True,
+                                      grouped=True)
+    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad, group)
     kv_direct = grads[1].kind == "direct"
     zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
-    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32")
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", head_group=group)
     sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
     fwd_blocks, kernels = [], []
 
-    def add(variant, grid_x):
+    def add(variant, grid_x, slices=heads * num_seqs):
         block = _words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))
         fwd_blocks.append(block)
-        kernels.append(Kernel(variant, device_id, slice_grid(grid_x, heads * num_seqs), [block, bwd_block], d, dv))
+        kernels.append(Kernel(variant, device_id, slice_grid(grid_x, slices), [block, bwd_block], d, dv))
 
     stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
     add(kplan.preprocess, max(1, -(-stats_rows // kplan.preprocess.rows_a_cta(dv))))
     for variant in kplan.key_passes:
-        add(variant, varlen_grid_x(max_seqlen_k, total_k, variant.block_cols))
+        add(variant, varlen_grid_x(max_seqlen_k, total_k, variant.block_cols), slices=heads * num_seqs // group)
     if kplan.dq is not None:
         add(kplan.dq, varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
     reduces = _reduce_kernels(grads, out_lead, dtype, device_id)

@@ -7,7 +7,7 @@ register budget of the mma.sync layout: each warp owns 16 query rows and keeps i
 fewer rows per CTA and narrower key tiles.
 
 These are data only: cuflash/_config.py reads them to choose a variant (and its
-``forward_tiles_override`` / ``backward_tiles_override`` replace entries for tuning runs);
+``forward_tiles_override`` replaces forward entries for tuning runs);
 the variants they fill in are the dataclasses of cuflash/_variants.py.
 """
 

@@ -41,7 +41,7 @@ _DTYPE_WORD = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _KEY_PREFIX = {"head_dim": "d", "head_dim_v": "dv", "block_rows": "br", "block_cols": "bc", "warps": "w",
                "min_blocks": "mb", "qk_unroll": "u", "stages": "s", "value_tiles": "dvt", "rows_per_warp": "rpw",
                "dim_tiles": "dt", "keys_per_warp": "kpw", "warps_s_rows": "ws", "warps_kv_rows": "wkv",
-               "warps_dq_rows": "wdq", "k_unroll_s": "us", "k_unroll_o": "uo", "row_warps": "rw"}
+               "warps_dq_rows": "wdq", "row_warps": "rw"}
 
 
 class _Launch:
@@ -240,8 +240,6 @@ class TensorCoreBackward(_Launch):
     warps_s_rows: int = 2
     warps_kv_rows: int = 4
     warps_dq_rows: int = 2
-    k_unroll_s: int = 1  # unroll of the k-loops of S and dP
-    k_unroll_o: int = 1  # ... and of dV, dK and dQ
     sparse: bool = False
     varlen: bool = False
 
@@ -259,8 +257,8 @@ class TensorCoreBackward(_Launch):
     def name_expression(self) -> str:
         return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
                          self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
-                         self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows,
-                         self.k_unroll_s, self.k_unroll_o, self.sparse, self.varlen, self.smem_bytes())
+                         self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows, self.sparse,
+                         self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,16 +367,23 @@ class HopperBackward(_Launch):
     sparse: bool = False
     bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
     varlen: bool = False
+    grouped: bool = False  # a CTA walks BwdParams.head_group query heads of a k/v head (GQA)
 
     source = "flash_bwd_sm90.cu"
     key_prefix = "bwd_sm90"
     block_rows = 64
     block_cols = 128
     warps = 12
-    # No allowance of its own: every variant spills at most 24 bytes (dense, hd128, atomic dQ).
+    # Ungrouped forms spill at most 24 bytes (dense, hd128, atomic dQ).
     # The block-sparse ones at head dim 128 with atomic dQ spilled 132-204 while the partial
     # tiles' block look-ups sat inside the P^T loop (on top of dK, dV and dQ in 232 registers);
     # they are a mask built before it now (partial_tile_keep, mask.cuh), and spill 0-16.
+    # The grouped float16 forms at head dim 128 spill 64-72 bytes (bfloat16 16-28): measured
+    # 7% faster than one head a CTA all the same (bench/NOTES.md, session 14).
+
+    @property
+    def spill_allowance(self) -> int:
+        return 80 if self.grouped else 0
 
     @property
     def head_dim_v(self) -> int:
@@ -393,7 +398,7 @@ class HopperBackward(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
-                         self.causal, self.sparse, self.bulk_dq, self.varlen, self.smem_bytes())
+                         self.causal, self.sparse, self.bulk_dq, self.varlen, self.grouped, self.smem_bytes())
 
 
 class BackwardPlan(typing.NamedTuple):
@@ -460,7 +465,7 @@ class SplitKvDecode(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_decode_kernel", self.dtype, self.head_dim, self.block_cols, self.warps, self.stages,
-                         self.paged, self.row_warps)
+                         self.paged, self.row_warps, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,16 +488,46 @@ class DecodeCombine(_Launch):
         return _instance("flash_decode_combine_kernel", self.dtype, self.warps)
 
 
+def _pointer_words(param_format: str) -> int:
+    """The pointers at the start of a struct.pack format ("<QQQqd..."): the words a call writes."""
+    kinds = param_format.lstrip("<")
+    return len(kinds) - len(kinds.lstrip("Q"))
+
+
+def _member_words(fields) -> str:
+    """CUFLASH_PARAM_WORD(name, word) for each (name, kind) member of a block packed by name, one
+    8-byte word each (cuflash/_decode.py): flash_decode.cu expands it into a static_assert each."""
+    return " ".join(f"CUFLASH_PARAM_WORD({name}, {word})" for word, (name, _) in enumerate(fields))
+
+
 def kernel_defines() -> dict:
-    """{macro: value} of the numbers every variant is built with: those of cuflash/_constants.py
-    and the Hopper kernels' fixed CTA shapes (read by kernels/common.cuh, tile_io.cuh, sm90.cuh,
-    flash_fwd_sm90.cu, flash_bwd_sm90.cu), passed by _loader.base_options()."""
-    from . import _tma  # the tensor maps' parameter block (numpy, ctypes): only when building
+    """{macro: value} of the numbers every variant is built with: those of cuflash/_constants.py,
+    the Hopper kernels' fixed CTA shapes, and the parameter blocks as Python packs them (their
+    sizes, and the words a call writes), read by kernels/common.cuh, tile_io.cuh, sm90.cuh,
+    flash_fwd_sm90.cu, flash_bwd_sm90.cu, flash_decode.cu and grad_reduce.cu (each a static_assert
+    or a constant there); passed by _loader.base_options()."""
+    import struct
+
+    # The parameter blocks' formats (and the tensor maps', numpy, ctypes): only when building.
+    from . import _decode, _plan, _tma
     return {
         "CUFLASH_SMEM_PAD": _constants.SMEM_PAD,
         "CUFLASH_MAX_LEAD": _constants.MAX_LEAD_DIMS,
         "CUFLASH_PARTIAL_TILE": _constants.PARTIAL_TILE,
         "CUFLASH_STATS_ROW_MULTIPLE": _constants.STATS_ROW_MULTIPLE,
+        "CUFLASH_DECODE_ROWS": _constants.DECODE_ROW_TILE,
+        "CUFLASH_DECODE_PAGE_GROUP": _constants.DECODE_PAGE_GROUP,
+        "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_plan.FWD_PARAM_FORMAT),
+        "CUFLASH_FWD_POINTER_WORDS": _pointer_words(_plan.FWD_PARAM_FORMAT),
+        "CUFLASH_CU_SEQLENS_WORD": _plan.CU_SEQLENS_WORD,
+        "CUFLASH_BWD_PARAM_BYTES": struct.calcsize(_plan.BWD_PARAM_FORMAT),
+        "CUFLASH_BWD_POINTER_WORDS": _pointer_words(_plan.BWD_PARAM_FORMAT),
+        "CUFLASH_REDUCE_PARAM_BYTES": struct.calcsize(_plan.REDUCE_PARAM_FORMAT),
+        "CUFLASH_REDUCE_POINTER_WORDS": _pointer_words(_plan.REDUCE_PARAM_FORMAT),
+        "CUFLASH_DECODE_PARAM_BYTES": struct.calcsize(_decode._fmt(_decode._DECODE_PARAM_FIELDS)),
+        "CUFLASH_DECODE_PARAM_WORDS": _member_words(_decode._DECODE_PARAM_FIELDS),
+        "CUFLASH_COMBINE_PARAM_BYTES": struct.calcsize(_decode._fmt(_decode._COMBINE_PARAM_FIELDS)),
+        "CUFLASH_COMBINE_PARAM_WORDS": _member_words(_decode._COMBINE_PARAM_FIELDS),
         "CUFLASH_SM90_FWD_ROWS": HopperForward.block_rows,
         "CUFLASH_SM90_FWD_WARPS": HopperForward.warps,
         "CUFLASH_SM90_BWD_ROWS": HopperBackward.block_rows,

@@ -19,8 +19,14 @@ struct fp16 { u16 bits; };
 // _loader.base_options()); each is named here once.
 constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python has merged what it can
 
+// offsetof, for the checks of the parameter blocks against Python's packing: NVRTC has no
+// <cstddef> without an include path, so it is spelled with the front end's __INTADDR__ (the
+// integer value of an address constant), which NVRTC 12.9 and 13.5 take in a static_assert.
+#define CUFLASH_OFFSETOF(type, member) __INTADDR__(&((type*)0)->member)
+
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
-// without caring about padding rules; cuflash/_api.py owns the field order (FWD_PARAM_FIELDS).
+// without caring about padding rules; cuflash/_plan.py packs it (FWD_PARAM_FORMAT), and the
+// static_asserts after BwdParams hold the two in step.
 struct FwdParams {
     const void* q;
     const void* k;
@@ -92,6 +98,19 @@ struct BwdParams {
     // elsewhere (every other kernel reads it as 1).
     i64 head_group;
 };
+
+// The blocks as cuflash/_plan.py packs them (FWD_PARAM_FORMAT, BWD_PARAM_FORMAT: their sizes
+// and the words a call writes, passed by _variants.kernel_defines()): a member added or
+// dropped on one side only, or one that moves the words a call writes, fails every build here.
+static_assert(sizeof(FwdParams) == CUFLASH_FWD_PARAM_BYTES, "FwdParams against _plan.FWD_PARAM_FORMAT");
+static_assert(CUFLASH_OFFSETOF(FwdParams, nq) == 8 * CUFLASH_FWD_POINTER_WORDS,
+              "q .. m, the pointers a call writes, are the first words");
+static_assert(CUFLASH_OFFSETOF(FwdParams, cu_seqlens_q) == 8 * CUFLASH_CU_SEQLENS_WORD &&
+                  CUFLASH_OFFSETOF(FwdParams, cu_seqlens_k) == 8 * CUFLASH_CU_SEQLENS_WORD + 8,
+              "the two words a varlen call writes (_plan.CU_SEQLENS_WORD)");
+static_assert(sizeof(BwdParams) == CUFLASH_BWD_PARAM_BYTES, "BwdParams against _plan.BWD_PARAM_FORMAT");
+static_assert(CUFLASH_OFFSETOF(BwdParams, nq_pad) == 8 * CUFLASH_BWD_POINTER_WORDS,
+              "dout .. dv_acc, the pointers a call writes, are the first words");
 
 // Offset of one (batch..., head) slice of a tensor laid out over the output's leading dims.
 __device__ __forceinline__ i64 lead_offset(const FwdParams& p, i64 flat, const i64 (&stride)[kMaxLead]) {

@@ -101,12 +101,13 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
 // acc[MT][NT] += A B over KSTEPS 16-wide k-steps for one warp's (16 MT) x (8 NT) tile, both
 // operands in shared memory. A is stored [m][k] (A_KMAJOR false) or [k][m] (true, read with
 // ldmatrix.trans); B is stored [n][k] (B_KMAJOR false) or [k][n] (true). The pointers are
-// already offset to the warp's first row / column; pitches are in elements.
-template <typename T, int MT, int NT, int KSTEPS, bool A_KMAJOR, bool B_KMAJOR, int KUNROLL = 1>
+// already offset to the warp's first row / column; pitches are in elements. The k-loop stays
+// rolled: unrolled by 2-8 it ran 1-4% faster but spilled 12-52 bytes (bench/NOTES.md, b3).
+template <typename T, int MT, int NT, int KSTEPS, bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* a, int a_pitch,
                                           const T* b, int b_pitch, int lane) {
     static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
-#pragma unroll KUNROLL
+#pragma unroll 1
     for (int kk = 0; kk < KSTEPS; ++kk) {
         u32 af[MT][4];
 #pragma unroll
@@ -168,8 +169,8 @@ struct BwdSmemLayout {
 // the rest; dK and dV stay in registers for the whole walk. VARLEN: the CTA walks the key
 // tiles of its sequence that its grid position names (slice.cuh's work items).
 template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
-          bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, int KU_S, int KU_O,
-          bool SPARSE, bool VARLEN, int SMEM_BYTES>
+          bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, bool SPARSE,
+          bool VARLEN, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
@@ -261,8 +262,8 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
             constexpr int MT_S = S_ROWS / 16, NT_S = S_COLS / 8;
             float acc_s[MT_S][NT_S][4], acc_dp[MT_S][NT_S][4];
             zero(acc_s);
-            warp_gemm<T, MT_S, NT_S, HD / 16, false, false, KU_S>(acc_s, cQ + s_row0 * L::q_pitch, L::q_pitch,
-                                                            sK + s_col0 * L::k_pitch, L::k_pitch, lane);
+            warp_gemm<T, MT_S, NT_S, HD / 16, false, false>(acc_s, cQ + s_row0 * L::q_pitch, L::q_pitch,
+                                                      sK + s_col0 * L::k_pitch, L::k_pitch, lane);
             // -- mask (keys past nk, the band); queries past nq need none: their m is +inf --
             if (i < clean_first || i > clean_last) {
                 // Thresholds relative to this thread's first element, so that each test below
@@ -316,8 +317,8 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
                 }
             if constexpr (DO_DK || ATOMIC_DQ) {
                 zero(acc_dp);
-                warp_gemm<T, MT_S, NT_S, HDV / 16, false, false, KU_S>(acc_dp, cdO + s_row0 * L::do_pitch, L::do_pitch,
-                                                                 sV + s_col0 * L::v_pitch, L::v_pitch, lane);
+                warp_gemm<T, MT_S, NT_S, HDV / 16, false, false>(acc_dp, cdO + s_row0 * L::do_pitch, L::do_pitch,
+                                                           sV + s_col0 * L::v_pitch, L::v_pitch, lane);
                 // -- dS = P o (dP - D[query]), to shared memory in 16 bits --
 #pragma unroll
                 for (int mt = 0; mt < MT_S; ++mt)
@@ -343,17 +344,17 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
 
             // -- dV += P^T dO,  dK += dS^T Q (scale applied at the end) --
             if constexpr (DO_DV)
-                warp_gemm<T, KV_ROWS / 16, DV_COLS / 8, BR / 16, true, true, KU_O>(acc_dv, sP + kv_row0, L::p_pitch,
-                                                                            cdO + dv_col0, L::do_pitch, lane);
+                warp_gemm<T, KV_ROWS / 16, DV_COLS / 8, BR / 16, true, true>(acc_dv, sP + kv_row0, L::p_pitch,
+                                                                      cdO + dv_col0, L::do_pitch, lane);
             if constexpr (DO_DK)
-                warp_gemm<T, KV_ROWS / 16, DK_COLS / 8, BR / 16, true, true, KU_O>(acc_dk, sdS + kv_row0, L::p_pitch,
-                                                                            cQ + dk_col0, L::q_pitch, lane);
+                warp_gemm<T, KV_ROWS / 16, DK_COLS / 8, BR / 16, true, true>(acc_dk, sdS + kv_row0, L::p_pitch,
+                                                                      cQ + dk_col0, L::q_pitch, lane);
             // -- dQ_i += scale * dS K, added to the float32 dQ with atomics --
             if constexpr (ATOMIC_DQ) {
                 float acc_dq[Q_ROWS / 16][DQ_COLS / 8][4];
                 zero(acc_dq);
-                warp_gemm<T, Q_ROWS / 16, DQ_COLS / 8, BC / 16, false, true, KU_O>(acc_dq, sdS + q_row0 * L::p_pitch, L::p_pitch,
-                                                                            sK + dq_col0, L::k_pitch, lane);
+                warp_gemm<T, Q_ROWS / 16, DQ_COLS / 8, BC / 16, false, true>(acc_dq, sdS + q_row0 * L::p_pitch, L::p_pitch,
+                                                                      sK + dq_col0, L::k_pitch, lane);
 #pragma unroll
                 for (int mt = 0; mt < Q_ROWS / 16; ++mt)
 #pragma unroll

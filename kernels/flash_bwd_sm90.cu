@@ -96,7 +96,7 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
 // tile's stage and phase come from the tiles of the earlier items plus its own index), and
 // all three warpgroups meet between items, before K and V are replaced.
 template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ, bool VARLEN,
-          int SMEM_BYTES>
+          bool GROUPED, int SMEM_BYTES>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     using L = Bwd90SmemLayout<HD, STAGES>;
@@ -123,7 +123,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     constexpr bool kOwnKeysDq = BULK_DQ && HD == 64;
     const Bwd90Barriers<STAGES> bar{base + L::barrier_offset};
 
-    const i64 bidx = flat_batch_index();
+    // GROUPED: the CTA walks `group` consecutive query heads of one k/v head
+    // (BwdParams::head_group), summing their dK and dV in registers; bidx is its first head's
+    // slice. A form of its own: the head loop and its counters in the 232 registers spill the
+    // ungrouped forms at head dim 128 by up to 56 more bytes.
+    static_assert(!(GROUPED && SPARSE), "a block mask's tile lists are per head");
+    const int group = GROUPED ? (int)b.head_group : 1;
+    const i64 cta = flat_batch_index(), bidx = cta * group;
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = tid / 128;
     if (tid == 0) {
@@ -157,11 +163,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             if (n_tiles > 0) {
                 const int tid = item_thread_index<VARLEN>();
                 const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
-                const T *gK = in.k, *gV = in.v, *gQ = in.q, *gDO = in.dout;
-                const float *gLse = in.lse2, *gD = in.delta;
-                sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, gK, p.k_row_stride, k0, nk, p.d, tid);
-                sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sV, gV, p.v_row_stride, k0, nk, p.dv, tid);
+                sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, in.k, p.k_row_stride, k0, nk, p.d, tid);
+                sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sV, in.v, p.v_row_stride, k0, nk, p.dv, tid);
                 sm90::cp_async_arrive(bar.kv_full());
+#pragma unroll 1
+                for (int j = 0; j < group; ++j) {  // the heads' query tiles, one head after another
+                const BwdSlice<T> head = j == 0 ? in : bwd_slice<T, VARLEN>(p, b, slice_geometry<VARLEN>(p, bidx + j, b.nq_pad), bidx + j);
+                const T *gQ = head.q, *gDO = head.dout;
+                const float *gLse = head.lse2, *gD = head.delta;
                 for (int t = 0; t < n_tiles; ++t) {
                     const u32 r = ring + t;  // the tile's place in the ring
                     const int s = r % STAGES;
@@ -175,8 +184,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     else if (tid < 48) cp_async_16(smem_addr(st + 2 * kBwd90Rows + 4 * (tid - 32)), gD + q0 + 4 * (tid - 32), true);
                     sm90::cp_async_arrive(bar.full(s));
                 }
-                cp_async_wait<0>();
                 ring += n_tiles;
+                }  // heads
+                cp_async_wait<0>();
             }
         }  // items
     } else {
@@ -215,6 +225,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 sm90::mbarrier_wait(bar.kv_full(), kv_round & 1);
                 sm90::fence_async_shared();
             }
+            i64 dq_rows = g.rows;  // the head's first row of dQ's accumulator
+#pragma unroll 1
+            for (int j = 0; j < group; ++j, dq_rows += p.nq) {  // as the producer: a head's tiles, then the next's
             for (int t = 0; t < n_tiles; ++t) {
                 const u32 r = ring + t;  // the tile's place in the ring
                 const int s = r % STAGES;
@@ -364,7 +377,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                                         make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
                             } else {
                                 if (q0 + r >= nq) continue;
-                                float* row = b.dq_acc + (g.rows + q0 + r) * p.d + col0 + my_col;
+                                float* row = b.dq_acc + (dq_rows + q0 + r) * p.d + col0 + my_col;
 #pragma unroll
                                 for (int n = 0; n < 8; ++n)
                                     atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
@@ -380,7 +393,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         else sm90::named_barrier_sync<3, 256>();
                         if (tid == dq_issuer) {
                             const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
-                            sm90::bulk_reduce_add_f32(b.dq_acc + (g.rows + q0) * p.d,
+                            sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d,
                                                       sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
                             sm90::bulk_commit();
                         }
@@ -401,21 +414,22 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 __syncwarp();
                 if (lane == 0) sm90::mbarrier_arrive(bar.empty(s));
             }
-            if (n_tiles > 0) {
-                ring += n_tiles;
-                ++kv_round;
-            }
+            ring += n_tiles;
+            }  // heads
+            if (n_tiles > 0) ++kv_round;
 
-            // -- dK (times scale) and dV, once --
+            // -- dK (times scale) and dV, once: rows of the slice over q's heads / group --
+            const i64 kv_rows = !GROUPED ? g.kv_rows
+                                : VARLEN ? (i64)((u32)g.head / (u32)group) * p.nk + g.k_start : cta * p.nk;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;
                 if (key >= nk) continue;
 #pragma unroll
                 for (int n = 0; n < HD / 8; ++n) {
-                    store_pair<T>(b.dk_acc, (g.kv_rows + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
+                    store_pair<T>(b.dk_acc, (kv_rows + key) * p.d, 8 * n + my_col, p.d, b.dkv_in_dtype,
                                   scale * acc_dk[n][2 * h], scale * acc_dk[n][2 * h + 1]);
-                    store_pair<T>(b.dv_acc, (g.kv_rows + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
+                    store_pair<T>(b.dv_acc, (kv_rows + key) * p.dv, 8 * n + my_col, p.dv, b.dkv_in_dtype,
                                   acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
                 }
             }

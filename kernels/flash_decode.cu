@@ -40,10 +40,12 @@
 
 namespace cuflash {
 
-constexpr int kDecodeRows = 16;  // query rows a warp: one m16 tile (DECODE_ROW_TILE in _constants)
-constexpr int kPageGroup = 16;   // keys that share one page-table look-up (the smallest page)
+// Both from cuflash/_constants.py (DECODE_ROW_TILE, DECODE_PAGE_GROUP) through kernel_defines().
+constexpr int kDecodeRows = CUFLASH_DECODE_ROWS;  // query rows a warp
+constexpr int kPageGroup = CUFLASH_DECODE_PAGE_GROUP;  // keys that share one page-table look-up
+static_assert(kDecodeRows == 16, "a warp's rows are one m16 mma tile (the accumulator rows lane / 4 + 8 h)");
 
-// Every member is 8 bytes (packed by cuflash/_decode.py, _DECODE_PARAM_FORMAT).
+// Every member is 8 bytes, packed by cuflash/_decode.py by name (_DECODE_PARAM_FIELDS).
 struct DecodeParams {
     const void* q;        // (batch..., Hq, nq, d): strided, last dim contiguous
     const void* k;        // dense (batch, Hk, capacity, d) or paged (num_pages, Hk, page_size, d)
@@ -88,6 +90,24 @@ struct DecodeCombineParams {
     i64 num_splits;
     double scale, scale_log2;
 };
+
+// Both blocks as cuflash/_decode.py packs them, member by member (_DECODE_PARAM_FIELDS,
+// _COMBINE_PARAM_FIELDS): kernel_defines() passes each member's word as
+// CUFLASH_PARAM_WORD(name, word), so a member renamed, moved, added or dropped on one side
+// only fails the build here.
+#define CUFLASH_PARAM_WORD(name, word)                                                \
+    static_assert(CUFLASH_OFFSETOF(DecodeParams, name) == 8 * (word),                 \
+                  "DecodeParams::" #name " against _DECODE_PARAM_FIELDS");
+CUFLASH_DECODE_PARAM_WORDS
+#undef CUFLASH_PARAM_WORD
+static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAM_BYTES, "DecodeParams against _DECODE_PARAM_FIELDS");
+#define CUFLASH_PARAM_WORD(name, word)                                                \
+    static_assert(CUFLASH_OFFSETOF(DecodeCombineParams, name) == 8 * (word),          \
+                  "DecodeCombineParams::" #name " against _COMBINE_PARAM_FIELDS");
+CUFLASH_COMBINE_PARAM_WORDS
+#undef CUFLASH_PARAM_WORD
+static_assert(sizeof(DecodeCombineParams) == CUFLASH_COMBINE_PARAM_BYTES,
+              "DecodeCombineParams against _COMBINE_PARAM_FIELDS");
 
 template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS>
 struct DecodeSmemLayout {
@@ -136,7 +156,7 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* cache, i
     }
 }
 
-template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS>
+template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     constexpr int NT = NWARPS * 32;
@@ -145,11 +165,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     constexpr int CTA_ROWS = ROW_WARPS * kDecodeRows;
     static_assert(KEY_WARPS * ROW_WARPS == NWARPS, "the warps form ROW_WARPS x KEY_WARPS");
     static_assert(KW % 16 == 0 && KW * KEY_WARPS == BC, "each warp takes whole 16-key mma steps");
+    static_assert(KW % kPageGroup == 0, "each warp takes whole page groups (one page look-up each)");
     static_assert(HD % 16 == 0 && STAGES >= 2, "mma tiles are 16 wide; at least double buffering");
     using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS>;
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against SplitKvDecode.smem_bytes");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    require_dynamic_smem((u32)L::bytes);
+    require_dynamic_smem((u32)SMEM_BYTES);
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + L::q_elems;
     T* sV = sK + STAGES * L::kv_elems;

@@ -235,11 +235,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         // -- epilogue: O /= l, staged through this warp's own Q rows for 16-byte stores --
         float inv_l[2 * MT];
 #pragma unroll
-        for (int r = 0; r < 2 * MT; ++r) {
-            const float l = quad_sum(softmax.l[r]);
-            softmax.l[r] = l;
-            inv_l[r] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
-        }
+        for (int r = 0; r < 2 * MT; ++r) inv_l[r] = softmax.finalize<4>(r);
         T* sO = sQ + warp * WR * L::q_pitch;  // only this warp ever read these rows
         __syncwarp();
 #pragma unroll
@@ -267,11 +263,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 #pragma unroll
             for (int r = 0; r < 2 * MT; ++r) {
                 const i64 q = warp_q0 + (r / 2) * 16 + lane / 4 + 8 * (r % 2);
-                if (q < nq) {
-                    p.l[g.rows + q] = softmax.l[r];
-                    const float m = softmax.m[r];
-                    p.m[g.rows + q] = (m == neg_inf()) ? m : m * (float)p.scale;
-                }
+                if (q < nq) softmax.store(r, (float)p.scale, p.l + g.rows + q, p.m + g.rows + q);
             }
         }
     }  // items

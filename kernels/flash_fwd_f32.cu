@@ -13,17 +13,6 @@
 
 namespace cuflash {
 
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
 // Rows [row0, row0 + rows) and columns [0, ncols) of a strided global matrix into shared
 // memory with pitch `pitch`; missing rows and columns up to `cols` are zero-filled.
 template <int NT>
@@ -113,19 +102,14 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
 #pragma unroll
         for (int i = 0; i < RPW; ++i) {
             const i64 q = q0 + warp * RPW + i;
-            const float l = warp_sum(softmax.l[i]);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const float inv_l = softmax.finalize<32>(i);
             if (q >= nq) continue;
 #pragma unroll
             for (int u = 0; u < DVT; ++u) {
                 const int c = lane + 32 * u;
                 if (c < dv) gO[q * dv + c] = acc[i][u] * inv_l;
             }
-            if (lane == 0) {
-                p.l[g.rows + q] = l;
-                const float m = softmax.m[i];
-                p.m[g.rows + q] = (m == neg_inf()) ? m : m * (float)p.scale;
-            }
+            if (lane == 0) softmax.store(i, (float)p.scale, p.l + g.rows + q, p.m + g.rows + q);
         }
     }  // items
 }

@@ -347,11 +347,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
     const i64 nq = g.nq;
     float inv_l[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const float l = quad_sum(softmax.l[h]);
-        softmax.l[h] = l;
-        inv_l[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no allowed key gets o = 0
-    }
+    for (int h = 0; h < 2; ++h) inv_l[h] = softmax.finalize<4>(h);
     T* gO = static_cast<T*>(p.o) + g.rows * p.dv;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -364,11 +360,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
                 *reinterpret_cast<u32*>(gO + q * p.dv + col) =
                     pack2<T>(acc_o[n][2 * h] * inv_l[h], acc_o[n][2 * h + 1] * inv_l[h]);
         }
-        if (c.lane % 4 == 0) {
-            p.l[g.rows + q] = softmax.l[h];
-            const float m = softmax.m[h];
-            p.m[g.rows + q] = (m == neg_inf()) ? m : m * (float)p.scale;
-        }
+        if (c.lane % 4 == 0) softmax.store(h, (float)p.scale, p.l + g.rows + q, p.m + g.rows + q);
     }
 }
 

@@ -122,6 +122,32 @@ def launched_variants():
 
 
 @contextlib.contextmanager
+def head_group_forced(form):
+    """Inside the block the wgmma key pass walks 'all' query heads of a k/v group a CTA, or
+    'half' of them (then dK and dV are still summed over the two halves by grad_reduce.cu),
+    whatever the SM count says; None keeps the rule (_config.backward_head_group). Plans are
+    rebuilt on the way in and out. Yields the head groups the plans chose."""
+    from cuflash import _config
+
+    rule = _config.backward_head_group
+    chosen = []
+
+    def forced(kv_group, num_batch, key_tiles, sm_count):
+        group = rule(kv_group, num_batch, key_tiles, sm_count) if form is None else (
+            kv_group if form == "all" else kv_group // 2)
+        chosen.append(group)
+        return group
+
+    _config.backward_head_group = forced
+    _config.GENERATION[0] += 1
+    try:
+        yield chosen
+    finally:
+        _config.backward_head_group = rule
+        _config.GENERATION[0] += 1
+
+
+@contextlib.contextmanager
 def tma_refused():
     """Inside the block the copy engine 'cannot map' any input, as for inputs it really cannot
     take: the wgmma forward's launch falls back to its cp.async form. Plans are rebuilt on the

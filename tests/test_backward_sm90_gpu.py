@@ -8,7 +8,7 @@ from conftest import requires_gpu, requires_wgmma
 from cuflash import _config, _variants
 from cuflash import masks as M
 from cuflash import reference as ref
-from gpu_util import check_backward, check_forward, random_array, to_device
+from gpu_util import check_backward, check_forward, head_group_forced, launched_variants, random_array, to_device
 
 pytestmark = [requires_gpu, requires_wgmma, pytest.mark.usefixtures("poisoned_pool")]
 
@@ -44,11 +44,23 @@ def test_lengths(dtype, d, causal, deterministic, rng):
         run_checked(q, k, v, do, dtype=dtype, causal=causal, deterministic=deterministic)
 
 
-def test_grouped_heads(rng):
+@pytest.mark.parametrize("form", (None, "all", "half"), ids=("rule", "all_heads_a_cta", "half_the_heads_a_cta"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_grouped_heads(d, causal, form, rng):
+    """GQA: a CTA walks every query head of its k/v head (dK, dV written once, in bf16), half
+    of them (two float32 partial sums a k/v head, then grad_reduce.cu), or what the rule picks
+    for this small shape (one head a CTA)."""
     dtype = "bfloat16"
-    q, do = (random_array(rng, (2, 8, 300, 128), dtype) for _ in range(2))
-    k, v = (random_array(rng, (2, 2, 300, 128), dtype) for _ in range(2))
-    run_checked(q, k, v, do, dtype=dtype, causal=True)
+    q, do = (random_array(rng, (2, 8, 300, d), dtype) for _ in range(2))
+    k, v = (random_array(rng, (2, 2, 300, d), dtype) for _ in range(2))
+    with head_group_forced(form) as chosen, launched_variants() as launched:
+        run_checked(q, k, v, do, dtype=dtype, causal=causal)
+    assert chosen == [{None: 1, "all": 4, "half": 2}[form]]
+    grouped = [x for x in launched if isinstance(x, _variants.HopperBackward) and x.grouped]
+    assert len(grouped) == (form is not None)
+    reduces = [x for x in launched if isinstance(x, _variants.GradientReduce)]
+    assert len(reduces) == {None: 3, "all": 1, "half": 3}[form]  # dQ always; dK, dV unless summed whole
 
 
 @pytest.mark.parametrize("d", (64, 128))

@@ -177,7 +177,7 @@ def test_decode_table_layout_ratios_and_ceiling_share():
     assert f"{common.DASH} [1]" in missing_row and f"[1] {decode.NOT_IN_BUILD}" in text
     assert "4000 GB/s, bytes read + written" in " ".join(text.split()) and "enable_gqa=True" in text
     width = max(len(line) for line in text.splitlines())
-    assert width <= decode.CAPTION_WIDTH, f"the report is {width} columns wide"
+    assert width <= common.CAPTION_WIDTH, f"the report is {width} columns wide"
 
 
 def test_decode_table_footnotes_for_failures_and_missing_peers():

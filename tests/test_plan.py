@@ -214,6 +214,34 @@ def test_grouped_heads_sum_dk_dv_in_the_reduce_kernel(fake_gpu):
     assert dk_reduce[1:] == (0x9000, 2, 256 * 64, 4)  # (B * Hk) slices, each summed over 2 heads
 
 
+@pytest.mark.parametrize("shape,kv_heads,group", (
+    ((8, 32, 2048, 128), 8, 4),    # 64 k/v heads x 16 key tiles: every CTA walks its 4 query heads
+    ((4, 32, 4096, 128), 4, 4),    # all 8 a CTA would leave 512 CTAs (under 7 waves of 132): 4 of 8
+    ((2, 32, 2048, 128), 8, 1),    # even 2 a CTA would leave 512: one head a CTA
+    ((8, 32, 2048, 128), 32, 1),   # no k/v group
+))
+def test_grouped_heads_walked_by_one_key_pass_cta(fake_gpu, shape, kv_heads, group):
+    kv = shape[:1] + (kv_heads,) + shape[2:]
+    kv_group = shape[1] // kv_heads
+    plan = _backward(shape=shape, kv_shape=kv, deterministic=False)
+    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    assert key_pass.variant.grouped == (group > 1)
+    block = list(plan.bwd_block)
+    assert block[-1] == group  # BwdParams.head_group
+    slices = shape[0] * shape[1] // group
+    assert key_pass.grid[1] * key_pass.grid[2] == slices and key_pass.grid[0] == shape[2] // 128
+    kinds = [(g.kind, g.group, g.acc_shape) for g in plan.grads[1:]]
+    if group == kv_group:  # summed whole in the kernel: written in place, no reduce
+        assert kinds == [("direct", 1, kv)] * 2 and len(plan.reduces) == 1
+    elif kv_group > 1:  # float32 sums over `group` heads, the rest summed by grad_reduce
+        acc = shape[:1] + (shape[1] // group,) + shape[2:]
+        assert kinds == [("reduce", kv_group // group, acc)] * 2 and len(plan.reduces) == 3
+    waves = _config.GROUPED_BACKWARD_WAVES
+    assert _config.backward_head_group(4, 4 * waves * 132, 1, 132) == 4
+    assert _config.backward_head_group(4, 4 * waves * 132 - 4, 1, 132) == 2
+    assert _config.backward_head_group(3, 8, 1, 132) == 1
+
+
 def test_broadcast_q_is_left_to_the_framework(fake_gpu):
     shape, kv = (1, 4, 256, 64), (3, 4, 256, 64)
     shapes = (kv, shape, kv, kv, kv)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_WGMMA, requires_gpu
-from gpu_util import DTYPES, launched_variants, random_array, tma_refused, to_device
+from gpu_util import DTYPES, head_group_forced, launched_variants, random_array, tma_refused, to_device
 from varlen_util import boundaries, check_backward, check_forward, packed_inputs
 from cuflash import reference as ref
 
@@ -67,6 +67,24 @@ def test_grouped_heads_forward_and_backward(dtype, hq, hk, rng):
     grads = cuflash.attention_backward(to_device(do), to_device(q), to_device(k), to_device(v), *out, causal=True,
                                        cu_seqlens_q=to_device(cu_q), cu_seqlens_k=to_device(cu_k))
     check_backward(grads, do, q, k, v, cu_q, cu_k, dtype=dtype, causal=True)
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="the grouped key pass is the wgmma one")
+@pytest.mark.parametrize("form", ("all", "half"), ids=("all_heads_a_cta", "half_the_heads_a_cta"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_grouped_key_pass(d, form, rng):
+    """A CTA walks every (or half of every) k/v group's query heads of its sequence."""
+    import cuflash
+
+    q, k, v, cu_q, cu_k = packed_inputs(rng, "bfloat16", (33, 1, 200, 129), (64, 1, 190, 300), hq=8, hk=2, d=d)
+    out = run_forward(q, k, v, cu_q, cu_k, causal=True)
+    do = random_array(rng, out.o.shape, "bfloat16")
+    with head_group_forced(form) as chosen, launched_variants() as launched:
+        grads = cuflash.attention_backward(to_device(do), to_device(q), to_device(k), to_device(v), *out, causal=True,
+                                           cu_seqlens_q=to_device(cu_q), cu_seqlens_k=to_device(cu_k))
+    assert chosen == [4 if form == "all" else 2]
+    assert any(getattr(x, "grouped", False) and x.varlen for x in launched)
+    check_backward(grads, do, q, k, v, cu_q, cu_k, dtype="bfloat16", causal=True)
 
 
 @pytest.mark.parametrize("dtype,d", (("bfloat16", 64), ("float16", 128), ("bfloat16", 256), ("float32", 64)))

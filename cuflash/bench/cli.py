@@ -8,7 +8,7 @@
 
 (``python -m cuflash.bench`` and, in the repository, ``python -m bench`` do the same.)
 
-Tables, in this order, on stdout as each is done; a progress bar on stderr meanwhile:
+Tables, in this order (TABLES), on stdout as each is done; a progress bar on stderr meanwhile:
 
 1. speed: forward, backward and forward + backward, ms and TFLOP/s per sequence length,
    head dim, causal setting and dtype (16k tokens per batch, hidden 2048), cuflash against
@@ -21,14 +21,18 @@ Tables, in this order, on stdout as each is done; a progress bar on stderr meanw
    against the tile size (cuflash.bench.io).
 4. sparse: block-sparse patterns, density, ms and speedup over dense, with torch
    FlexAttention on the same block mask (cuflash.bench.sparse).
-5. varlen: 64 sequences of mixed lengths (128-8192), causal, forward and forward + backward,
+5. decode: one query token per sequence against dense and paged KV caches, GQA and MQA,
+   against SDPA on the dense cache and the device copy ceiling, in GB/s of K and V read
+   (cuflash.bench.decode).
+6. varlen: 64 sequences of mixed lengths (128-8192), causal, forward and forward + backward,
    packed through cuflash's variable-length call against the same batch padded to its longest
    (cuflash's dense path, SDPA flash and cuDNN) and SDPA on jagged nested tensors; equal
-   lengths packed against the dense path; useful TFLOP/s, padding shares, issue 17's targets
-   (cuflash.bench.varlen).
-6. host: CPU microseconds per call of each API (CuPy, torch, JAX) at a tiny shape, against
-   SDPA and JAX's cuDNN path, with issue 14's targets (cuflash.bench.host).
-7. e2e: forward + backward through the torch and JAX adapters at model shapes, host time
+   lengths packed against the dense path; useful TFLOP/s, padding shares, each row's target
+   ratio and whether it is met (cuflash.bench.varlen).
+7. host: CPU microseconds per call of each API (CuPy, torch, JAX) at a tiny shape, against
+   SDPA and JAX's cuDNN path, with each cuflash row's target (a bound in microseconds, or one
+   over its peer's time) and whether it is met (cuflash.bench.host).
+8. e2e: forward + backward through the torch and JAX adapters at model shapes, host time
    included, against SDPA (default, flash, cuDNN) and JAX (cuDNN, XLA) (cuflash.bench.e2e).
    host and e2e run last: JAX, once imported, keeps the device memory it has used.
 

@@ -47,7 +47,6 @@ DEFAULT_PAGE_SIZES = (16, 64, 256)
 PAGE_ORDER_SEED = 0  # the pages' places in the cache: a fixed random permutation
 NOT_IN_BUILD = "paged KV caches (page_table=, seqlens_k=) not in this build"
 SDPA = "sdpa"
-CAPTION_WIDTH = 120  # a terminal's width, which the table itself fits too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +335,7 @@ def format_decode(records: list, args, ceilings: Optional[dict], notes: Footnote
     from tabulate import tabulate
 
     copy_gbps = (ceilings or {}).get("copy_gbps")
-    # cuflash's columns go unnamed (ms, GB/s) so that the table fits CAPTION_WIDTH
+    # cuflash's columns go unnamed (ms, GB/s) so that the table fits common.CAPTION_WIDTH
     headers = ["batch x KV", "cache", "ms", "GB/s", "% of copy", "SDPA ms", "SDPA GB/s", "vs SDPA", "vs dense"]
     groups = dict.fromkeys((r["heads_q"], r["heads_kv"], r["hdim"], r["dtype"]) for r in records)
     blocks = []
@@ -379,6 +378,6 @@ def format_decode(records: list, args, ceilings: Optional[dict], notes: Footnote
                "has no paged form, so its columns stand on the dense row, and a paged row's vs SDPA "
                "compares with that time. vs SDPA: SDPA time / cuflash time; vs dense: cuflash's "
                "dense time / its paged time.")
-    lines = [textwrap.fill(caption, CAPTION_WIDTH)] + [textwrap.fill(line, CAPTION_WIDTH, subsequent_indent="    ")
-                                                      for line in notes.lines()]
+    lines = [textwrap.fill(caption, common.CAPTION_WIDTH)] + [
+        textwrap.fill(line, common.CAPTION_WIDTH, subsequent_indent="    ") for line in notes.lines()]
     return "\n\n".join(blocks) + "\n\n" + "\n".join(lines)
