@@ -536,13 +536,11 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
         return BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
     _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
-    kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, sparse=mask is not None,
-                                  hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
+    kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic, sparse=mask is not None,
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
     nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
-    group = _head_group(kplan, grad_shapes, out_lead, layout.kv_group, num_batch, lambda cols: -(-nk // cols),
-                        device_id)
-    if group > 1:
-        kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=True, wgmma=True, grouped=True)
+    kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, num_batch,
+                               lambda cols: -(-nk // cols), device_id)
 
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
                                                group)
@@ -579,27 +577,30 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
                         tuple(fwd_blocks), bwd_block, tuple(reduces))
 
 
-def _groupable(grad_shapes, out_lead, kv_group) -> bool:
-    """Whether k and v are grouped (GQA) over q's heads and broadcast nowhere else."""
-    grouped_lead = out_lead[:-1] + (out_lead[-1] // kv_group,) if kv_group > 1 and out_lead else None
-    return grouped_lead is not None and all(tuple(s[:-2]) == grouped_lead for s in grad_shapes[1:])
+def _grouped_lead(out_lead, group) -> tuple:
+    """The leading dims of k / v grouped ``group`` query heads a k/v head over the output's."""
+    return out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
 
 
-def _head_group(kplan, grad_shapes, out_lead, kv_group, num_batch, key_tiles, device_id) -> int:
-    """Query heads a wgmma key-pass CTA walks (_config.backward_head_group), 1 where it cannot;
+def _head_group(kernels_for, grad_shapes, out_lead, kv_group, num_batch, key_tiles, device_id) -> tuple:
+    """(the kernels, the query heads a wgmma key-pass CTA walks): kernels_for(grouped=...) is
+    _config.backward_plan with the call's arguments; the group is _config.backward_head_group's
+    where k and v are grouped over q's heads and broadcast nowhere else, else 1.
     key_tiles(block_cols): the key pass's grid along x."""
+    kplan = kernels_for()
     key_pass = kplan.key_passes[0]
     if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.atomic_dq and not key_pass.sparse
-            and _groupable(grad_shapes, out_lead, kv_group)):
-        return 1
-    return _config.backward_head_group(kv_group, num_batch, key_tiles(key_pass.block_cols), sm_count(device_id))
+            and kv_group > 1 and all(tuple(s[:-2]) == _grouped_lead(out_lead, kv_group) for s in grad_shapes[1:])):
+        return kplan, 1
+    group = _config.backward_head_group(kv_group, num_batch, key_tiles(key_pass.block_cols), sm_count(device_id))
+    return (kernels_for(grouped=True) if group > 1 else kplan), group
 
 
 def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad, head_group=1):
     """(GradientOut of dq, dk, dv; delta's offset; workspace bytes) of a backward: lse2
     (num_batch, nq_pad, 2) at 0, delta (num_batch, nq_pad), then the float32 accumulators of
     the gradients the kernels cannot write in place. head_group: the query heads a key-pass CTA
-    walks (a divisor of kv_group, k and v _groupable): dK and dV are summed over them in the
+    walks (a divisor of kv_group, k and v grouped: _head_group): dK and dV are summed over them in the
     kernel, so written in place when it is kv_group, else accumulated over kv_group / head_group
     slices a k/v head. Shapes alone decide it (the JAX adapter sizes its workspace output with
     it at trace time)."""
@@ -618,8 +619,7 @@ def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad, h
             grads.append(GradientOut("direct", 0, acc_shape, 1, tuple(shape)))  # written in place
             continue
         group = 1 if index == 0 else kv_group
-        grouped_lead = out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
-        kind = "reduce" if own_lead == grouped_lead else "generic"
+        kind = "reduce" if own_lead == _grouped_lead(out_lead, group) else "generic"
         if index > 0 and head_group > 1:
             if head_group == kv_group:  # summed over the whole group in the kernel
                 grads.append(GradientOut("direct", 0, tuple(shape), 1, tuple(shape)))
@@ -754,14 +754,11 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
         return plan
     _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
-    kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=_config.is_hopper(cc),
-                                  wgmma=_config.has_wgmma(cc), varlen=True)
+    kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic,
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), varlen=True)
     nq_pad = varlen_stats_rows(total_q, num_seqs)  # per head
-    group = _head_group(kplan, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
-                        lambda cols: varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
-    if group > 1:
-        kplan = _config.backward_plan(dtype, d, dv, causal, deterministic, hopper=True, wgmma=True, varlen=True,
-                                      grouped=True)
+    kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
+                               lambda cols: varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad, group)
     kv_direct = grads[1].kind == "direct"
     zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None

@@ -168,23 +168,24 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 sm90::cp_async_arrive(bar.kv_full());
 #pragma unroll 1
                 for (int j = 0; j < group; ++j) {  // the heads' query tiles, one head after another
-                const BwdSlice<T> head = j == 0 ? in : bwd_slice<T, VARLEN>(p, b, slice_geometry<VARLEN>(p, bidx + j, b.nq_pad), bidx + j);
-                const T *gQ = head.q, *gDO = head.dout;
-                const float *gLse = head.lse2, *gD = head.delta;
-                for (int t = 0; t < n_tiles; ++t) {
-                    const u32 r = ring + t;  // the tile's place in the ring
-                    const int s = r % STAGES;
-                    if (r >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((r / STAGES) & 1) ^ 1);
-                    const i64 q0 = (i64)tiles.tile(t) * kBwd90Rows;
-                    sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sQ + s * L::q_bytes, gQ, p.q_row_stride, q0, nq, p.d, tid);
-                    sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sDO + s * L::q_bytes, gDO, b.do_row_stride, q0, nq, p.dv, tid);
-                    // statistics rows [q0, q0 + 64) exist up to nq_pad: 32 + 16 chunks of 16 bytes
-                    float* st = sStat + s * L::stat_floats;
-                    if (tid < 32) cp_async_16(smem_addr(st + 4 * tid), gLse + 2 * q0 + 4 * tid, true);
-                    else if (tid < 48) cp_async_16(smem_addr(st + 2 * kBwd90Rows + 4 * (tid - 32)), gD + q0 + 4 * (tid - 32), true);
-                    sm90::cp_async_arrive(bar.full(s));
-                }
-                ring += n_tiles;
+                    const BwdSlice<T> head =
+                        j == 0 ? in : bwd_slice<T, VARLEN>(p, b, slice_geometry<VARLEN>(p, bidx + j, b.nq_pad), bidx + j);
+                    const T *gQ = head.q, *gDO = head.dout;
+                    const float *gLse = head.lse2, *gD = head.delta;
+                    for (int t = 0; t < n_tiles; ++t) {
+                        const u32 r = ring + t;  // the tile's place in the ring
+                        const int s = r % STAGES;
+                        if (r >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((r / STAGES) & 1) ^ 1);
+                        const i64 q0 = (i64)tiles.tile(t) * kBwd90Rows;
+                        sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sQ + s * L::q_bytes, gQ, p.q_row_stride, q0, nq, p.d, tid);
+                        sm90::load_tile_swizzled<kBwd90Rows, HD, 128>(sDO + s * L::q_bytes, gDO, b.do_row_stride, q0, nq, p.dv, tid);
+                        // statistics rows [q0, q0 + 64) exist up to nq_pad: 32 + 16 chunks of 16 bytes
+                        float* st = sStat + s * L::stat_floats;
+                        if (tid < 32) cp_async_16(smem_addr(st + 4 * tid), gLse + 2 * q0 + 4 * tid, true);
+                        else if (tid < 48) cp_async_16(smem_addr(st + 2 * kBwd90Rows + 4 * (tid - 32)), gD + q0 + 4 * (tid - 32), true);
+                        sm90::cp_async_arrive(bar.full(s));
+                    }
+                    ring += n_tiles;
                 }  // heads
                 cp_async_wait<0>();
             }
@@ -228,193 +229,193 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             i64 dq_rows = g.rows;  // the head's first row of dQ's accumulator
 #pragma unroll 1
             for (int j = 0; j < group; ++j, dq_rows += p.nq) {  // as the producer: a head's tiles, then the next's
-            for (int t = 0; t < n_tiles; ++t) {
-                const u32 r = ring + t;  // the tile's place in the ring
-                const int s = r % STAGES;
-                const int q_tile = tiles.tile(t);
-                const i64 q0 = (i64)q_tile * kBwd90Rows;
-                const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
-                const float* st = sStat + s * L::stat_floats;
-                sm90::mbarrier_wait(bar.full(s), (r / STAGES) & 1);
-                sm90::fence_async_shared();
-
-                // -- S^T = K Q^T; with kDpUnderP, dP^T = V dO^T issued right behind it, so that
-                // the tensor cores compute dP^T while P^T is formed --
-                float acc_s[8][4], acc_dp[8][4];
-                auto issue_dp = [&] {
-#pragma unroll
-                    for (int kk = 0; kk < HD / 16; ++kk)
-                        sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
-                                              sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
-                };
-                sm90::wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < HD / 16; ++kk)
-                    sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
-                                          sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
-                sm90::wgmma_commit();
-                if constexpr (kDpUnderP) {
-                    issue_dp();
-                    sm90::wgmma_commit();
-                    sm90::wgmma_wait<1>();  // S^T is done; dP^T may still run
-                } else {
-                    sm90::wgmma_wait<0>();
-                }
-                sm90::fence_operand(acc_s);
-
-                // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
-                // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
-                // A partial tile's element mask: its block look-ups stay out of the loop below,
-                // whose registers S^T, dK and dV fill (rows of S^T are keys).
-                const unsigned long long keep = SPARSE && tiles.partial(t)
-                    ? partial_tile_keep<1, 8, true>(p, tiles, wk0 + 16 * warp, q0, lane) : ~0ull;
-#pragma unroll
-                for (int n = 0; n < 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int ql = 8 * n + my_col + (e & 1);
-                        const float2 ml = *reinterpret_cast<const float2*>(st + 2 * ql);  // (m, log2 l)
-                        float pv = recompute_p(acc_s[n][e], scale, ml.x, ml.y);
-                        if (!kept<8>(keep, 0, n, e)) pv = 0.f;
-                        acc_s[n][e] = pv;
-                    }
-                // The band's element mask, only on the tiles that cross it. Its tile origin
-                // passes an empty asm after S^T's wait, so the compiler cannot hoist the 32
-                // tests above it, where it had them run (predicated off) on every tile.
-                if (q_tile < clean_first || q_tile > clean_last) {
-                    i64 mask_q0 = q0;
-                    asm volatile("" : "+l"(mask_q0));
-                    const TileMask mask(band, mask_q0, wk0, nk);
-#pragma unroll
-                    for (int n = 0; n < 8; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
-                            if (!mask.allowed(ql, kl)) acc_s[n][e] = 0.f;
-                        }
-                }
-                u32 p_frag[4][4];
-                pack_frags<T>(acc_s, p_frag);
-
-                // -- (without kDpUnderP dP^T = V dO^T now, and) dV += P^T dO. At head dim 64 dS^T
-                // is formed while dV runs (p_frag, its A operand, is only read meanwhile); at 128
-                // that spills (dV in flight pins 64 more registers), so both are waited for at once --
-                sm90::fence_operand(acc_dv);
-                sm90::wgmma_fence();
-                if constexpr (!kDpUnderP) issue_dp();
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
-                sm90::wgmma_commit();
-                if constexpr (kDvUnderDs) {
-                    sm90::wgmma_wait<1>();  // dP^T is done; dV may still run
-                } else {
-                    sm90::wgmma_wait<0>();
-                    sm90::fence_operand(acc_dv);
-                }
-                sm90::fence_operand(acc_dp);
-
-                // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int n = 2 * kk + half;
-                            const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
-                            const float2 d = *reinterpret_cast<const float2*>(st + 2 * kBwd90Rows + 8 * n + my_col);
-                            acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d.x);
-                            acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d.y);
-                        }
-
-                // -- dK += dS^T Q --
-                u32 ds_frag[4][4];
-                pack_frags<T>(acc_dp, ds_frag);
-                const u32 cDS = kDoubleDs ? sDS + s * L::ds_bytes : sDS;
-                if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
-                sm90::fence_operand(acc_dk);
-                sm90::wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
-                sm90::wgmma_commit();
-
-                if (ATOMIC_DQ) {
-                    // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
-                    // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
-                    // its own partial sum: the warpgroups then never wait for each other --
-                    sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
-                    sm90::fence_operand(acc_dv);
-                    sm90::fence_operand(acc_dk);
+                for (int t = 0; t < n_tiles; ++t) {
+                    const u32 r = ring + t;  // the tile's place in the ring
+                    const int s = r % STAGES;
+                    const int q_tile = tiles.tile(t);
+                    const i64 q0 = (i64)q_tile * kBwd90Rows;
+                    const u32 cQ = sQ + s * L::q_bytes, cDO = sDO + s * L::q_bytes;
+                    const float* st = sStat + s * L::stat_floats;
+                    sm90::mbarrier_wait(bar.full(s), (r / STAGES) & 1);
                     sm90::fence_async_shared();
-                    if constexpr (BULK_DQ) {
-                        if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
-                    }
-                    if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
-                    else sm90::named_barrier_sync<1, 256>();
-                    if (kOwnKeysDq || HD == 128 || warpgroup == 1) {
-                        float acc_dq[8][4];
-                        const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
-                        const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
-                        // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
-                        // transposed: both MN-major. 64-column block col0 / 64 of K.
-#pragma unroll
-                        for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
-                            sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
-                                                 sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
-                                                 i > 0);
+
+                    // -- S^T = K Q^T; with kDpUnderP, dP^T = V dO^T issued right behind it, so that
+                    // the tensor cores compute dP^T while P^T is formed --
+                    float acc_s[8][4], acc_dp[8][4];
+                    auto issue_dp = [&] {
+    #pragma unroll
+                        for (int kk = 0; kk < HD / 16; ++kk)
+                            sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
+                                                  sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
+                    };
+                    sm90::wgmma_fence();
+    #pragma unroll
+                    for (int kk = 0; kk < HD / 16; ++kk)
+                        sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
+                                              sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
+                    sm90::wgmma_commit();
+                    if constexpr (kDpUnderP) {
+                        issue_dp();
                         sm90::wgmma_commit();
+                        sm90::wgmma_wait<1>();  // S^T is done; dP^T may still run
+                    } else {
                         sm90::wgmma_wait<0>();
-                        sm90::fence_operand(acc_dq);
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int r = 16 * warp + lane / 4 + 8 * h;
-                            if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
-#pragma unroll
-                                for (int n = 0; n < 8; ++n)
-                                    *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
-                                        make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
-                            } else {
-                                if (q0 + r >= nq) continue;
-                                float* row = b.dq_acc + (dq_rows + q0 + r) * p.d + col0 + my_col;
-#pragma unroll
-                                for (int n = 0; n < 8; ++n)
-                                    atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                    }
+                    sm90::fence_operand(acc_s);
+
+                    // -- P^T (rows are keys, columns queries; masked where the pair is not allowed),
+                    // packed to 16 bits at once: S^T's registers are free before dP^T needs its own --
+                    // A partial tile's element mask: its block look-ups stay out of the loop below,
+                    // whose registers S^T, dK and dV fill (rows of S^T are keys).
+                    const unsigned long long keep = SPARSE && tiles.partial(t)
+                        ? partial_tile_keep<1, 8, true>(p, tiles, wk0 + 16 * warp, q0, lane) : ~0ull;
+    #pragma unroll
+                    for (int n = 0; n < 8; ++n)
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int ql = 8 * n + my_col + (e & 1);
+                            const float2 ml = *reinterpret_cast<const float2*>(st + 2 * ql);  // (m, log2 l)
+                            float pv = recompute_p(acc_s[n][e], scale, ml.x, ml.y);
+                            if (!kept<8>(keep, 0, n, e)) pv = 0.f;
+                            acc_s[n][e] = pv;
+                        }
+                    // The band's element mask, only on the tiles that cross it. Its tile origin
+                    // passes an empty asm after S^T's wait, so the compiler cannot hoist the 32
+                    // tests above it, where it had them run (predicated off) on every tile.
+                    if (q_tile < clean_first || q_tile > clean_last) {
+                        i64 mask_q0 = q0;
+                        asm volatile("" : "+l"(mask_q0));
+                        const TileMask mask(band, mask_q0, wk0, nk);
+    #pragma unroll
+                        for (int n = 0; n < 8; ++n)
+    #pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
+                                if (!mask.allowed(ql, kl)) acc_s[n][e] = 0.f;
+                            }
+                    }
+                    u32 p_frag[4][4];
+                    pack_frags<T>(acc_s, p_frag);
+
+                    // -- (without kDpUnderP dP^T = V dO^T now, and) dV += P^T dO. At head dim 64 dS^T
+                    // is formed while dV runs (p_frag, its A operand, is only read meanwhile); at 128
+                    // that spills (dV in flight pins 64 more registers), so both are waited for at once --
+                    sm90::fence_operand(acc_dv);
+                    sm90::wgmma_fence();
+                    if constexpr (!kDpUnderP) issue_dp();
+    #pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+                        sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
+                    sm90::wgmma_commit();
+                    if constexpr (kDvUnderDs) {
+                        sm90::wgmma_wait<1>();  // dP^T is done; dV may still run
+                    } else {
+                        sm90::wgmma_wait<0>();
+                        sm90::fence_operand(acc_dv);
+                    }
+                    sm90::fence_operand(acc_dp);
+
+                    // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
+    #pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+    #pragma unroll
+                        for (int half = 0; half < 2; ++half)
+    #pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int n = 2 * kk + half;
+                                const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
+                                const float2 d = *reinterpret_cast<const float2*>(st + 2 * kBwd90Rows + 8 * n + my_col);
+                                acc_dp[n][2 * h] = pv.x * (acc_dp[n][2 * h] - d.x);
+                                acc_dp[n][2 * h + 1] = pv.y * (acc_dp[n][2 * h + 1] - d.y);
+                            }
+
+                    // -- dK += dS^T Q --
+                    u32 ds_frag[4][4];
+                    pack_frags<T>(acc_dp, ds_frag);
+                    const u32 cDS = kDoubleDs ? sDS + s * L::ds_bytes : sDS;
+                    if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
+                    sm90::fence_operand(acc_dk);
+                    sm90::wgmma_fence();
+    #pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+                        sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
+                    sm90::wgmma_commit();
+
+                    if (ATOMIC_DQ) {
+                        // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
+                        // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
+                        // its own partial sum: the warpgroups then never wait for each other --
+                        sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
+                        sm90::fence_operand(acc_dv);
+                        sm90::fence_operand(acc_dk);
+                        sm90::fence_async_shared();
+                        if constexpr (BULK_DQ) {
+                            if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
+                        }
+                        if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
+                        else sm90::named_barrier_sync<1, 256>();
+                        if (kOwnKeysDq || HD == 128 || warpgroup == 1) {
+                            float acc_dq[8][4];
+                            const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
+                            const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
+                            // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
+                            // transposed: both MN-major. 64-column block col0 / 64 of K.
+    #pragma unroll
+                            for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
+                                sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
+                                                     sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
+                                                     i > 0);
+                            sm90::wgmma_commit();
+                            sm90::wgmma_wait<0>();
+                            sm90::fence_operand(acc_dq);
+    #pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int r = 16 * warp + lane / 4 + 8 * h;
+                                if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
+    #pragma unroll
+                                    for (int n = 0; n < 8; ++n)
+                                        *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
+                                            make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                                } else {
+                                    if (q0 + r >= nq) continue;
+                                    float* row = b.dq_acc + (dq_rows + q0 + r) * p.d + col0 + my_col;
+    #pragma unroll
+                                    for (int n = 0; n < 8; ++n)
+                                        atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
+                                }
                             }
                         }
-                    }
-                    if constexpr (BULK_DQ) {
-                        // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
-                        // adds them all. Without kOwnKeysDq its barrier also stands in for barrier 2
-                        // below: both warpgroups' dQ matmuls have read dS^T by now.
-                        sm90::fence_async_shared();
-                        if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
-                        else sm90::named_barrier_sync<3, 256>();
-                        if (tid == dq_issuer) {
-                            const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
-                            sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d,
-                                                      sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
-                            sm90::bulk_commit();
+                        if constexpr (BULK_DQ) {
+                            // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
+                            // adds them all. Without kOwnKeysDq its barrier also stands in for barrier 2
+                            // below: both warpgroups' dQ matmuls have read dS^T by now.
+                            sm90::fence_async_shared();
+                            if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
+                            else sm90::named_barrier_sync<3, 256>();
+                            if (tid == dq_issuer) {
+                                const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
+                                sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d,
+                                                          sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
+                                sm90::bulk_commit();
+                            }
                         }
+                        // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
+                        // buffer (STAGES = 2), and this one is written again two tiles on, after the
+                        // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
+                        // on this buffer has been waited for. Otherwise dS^T is read by both
+                        // warpgroups' dQ matmuls before either writes the next tile's.
+                        if constexpr (!kDoubleDs && !BULK_DQ) sm90::named_barrier_sync<2, 256>();
+                    } else {
+                        sm90::wgmma_wait<0>();
                     }
-                    // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
-                    // buffer (STAGES = 2), and this one is written again two tiles on, after the
-                    // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
-                    // on this buffer has been waited for. Otherwise dS^T is read by both
-                    // warpgroups' dQ matmuls before either writes the next tile's.
-                    if constexpr (!kDoubleDs && !BULK_DQ) sm90::named_barrier_sync<2, 256>();
-                } else {
-                    sm90::wgmma_wait<0>();
+                    sm90::fence_operand(acc_dv);
+                    sm90::fence_operand(acc_dk);
+                    // The stage is free once this warp is done with it: its wgmma reads are complete
+                    // (waited for above) and its lanes' loads of the statistics have been used.
+                    __syncwarp();
+                    if (lane == 0) sm90::mbarrier_arrive(bar.empty(s));
                 }
-                sm90::fence_operand(acc_dv);
-                sm90::fence_operand(acc_dk);
-                // The stage is free once this warp is done with it: its wgmma reads are complete
-                // (waited for above) and its lanes' loads of the statistics have been used.
-                __syncwarp();
-                if (lane == 0) sm90::mbarrier_arrive(bar.empty(s));
-            }
-            ring += n_tiles;
+                ring += n_tiles;
             }  // heads
             if (n_tiles > 0) ++kv_round;
 
