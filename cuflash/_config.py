@@ -311,10 +311,12 @@ def variants_for(arch: str):
 # a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16
 # splits of 128 key tiles 3.86 TB/s, 64 of 32 tiles 3.63, 256 of 8 tiles 3.04) ...
 DECODE_SM_FILL = 0.9
-# Paged caches aim at this many CTAs an SM: a page-table look-up sits on each tile's copy path,
-# and with one CTA an SM the same rule left them at 0.56-0.62x the dense speed at batch 1 x
-# 131072 and 8 x 32768 (1bc1777), where 4-5 CTAs an SM (the rule before) had them at 0.91-0.98x.
-DECODE_PAGED_CTAS_A_SM = 4
+# Paged caches aim at this many CTAs an SM: a page-table look-up sits on each tile's copy path.
+# Swept on the H200 (bench/NOTES.md, session 15; CUDA graphs, num_splits 1-128, page 64, 17
+# GQA and MQA shapes): 2 an SM is at or within 3% of the fastest split count at every shape
+# where 4 lost up to 25% (GQA 8 x 32768 hd128 307.8 against 267.0 us; MQA 8 x 32768 hd64 39.4
+# against 30.9) and 1 left GQA at 0.56-0.62x the dense speed (session 9).
+DECODE_PAGED_CTAS_A_SM = 2
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams.
 DECODE_MIN_TILES_PER_SPLIT = 4
