@@ -21,6 +21,11 @@ PARTIAL_TILE = 1 << 30  # flag bit of a tile-list entry whose tile needs the ele
 # The backward's per-row statistics (lse2, D) are padded to a multiple of this many rows; the
 # kernels check that their query tiles divide it (kStatsRowMultiple).
 STATS_ROW_MULTIPLE = 128
+# The Hopper kernels' causal dense grids of at most TILE_MAJOR_TILES tiles a slice start their
+# CTAs tile by tile in groups of SLICE_GROUP slices (kSliceGroup, kTileMajorTiles,
+# kernels/slice.cuh): long tiles first, a group's tiles together in L2.
+SLICE_GROUP = 16
+TILE_MAJOR_TILES = 32
 
 # Decoding (kernels/flash_decode.cu). The first two reach it through kernel_defines().
 DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows, one m16 tile)

@@ -515,6 +515,8 @@ def kernel_defines() -> dict:
         "CUFLASH_MAX_LEAD": _constants.MAX_LEAD_DIMS,
         "CUFLASH_PARTIAL_TILE": _constants.PARTIAL_TILE,
         "CUFLASH_STATS_ROW_MULTIPLE": _constants.STATS_ROW_MULTIPLE,
+        "CUFLASH_SLICE_GROUP": _constants.SLICE_GROUP,
+        "CUFLASH_TILE_MAJOR_TILES": _constants.TILE_MAJOR_TILES,
         "CUFLASH_DECODE_ROWS": _constants.DECODE_ROW_TILE,
         "CUFLASH_DECODE_PAGE_GROUP": _constants.DECODE_PAGE_GROUP,
         "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_plan.FWD_PARAM_FORMAT),

@@ -9,6 +9,7 @@ namespace cuflash {
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // Element-type tags. Storage is raw 16-bit; arithmetic happens in fp32 or on the tensor cores.
 struct bf16 { u16 bits; };

@@ -129,7 +129,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // ungrouped forms at head dim 128 by up to 56 more bytes.
     static_assert(!(GROUPED && SPARSE), "a block mask's tile lists are per head");
     const int group = GROUPED ? (int)b.head_group : 1;
-    const i64 cta = flat_batch_index(), bidx = cta * group;
+    // Causal: the first key tiles see the most queries; the cell is tile-major (slice.cuh).
+    const GridCell cell = grid_cell(CAUSAL && !VARLEN);
+    const i64 bidx = cell.slice * group;
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = tid / 128;
     if (tid == 0) {
@@ -156,7 +158,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 #pragma unroll 1
         for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
             if (item != first_item<VARLEN>()) __syncthreads();  // the consumers are done with K and V
-            const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+            const int key_tile = VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile;
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
             const int n_tiles = tiles.count;
@@ -201,7 +203,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 #pragma unroll 1
         for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
             if (item != first_item<VARLEN>()) __syncthreads();  // this item's K and V may be loaded
-            const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+            const int key_tile = VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile;
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
             const int n_tiles = tiles.count;
@@ -421,7 +423,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 
             // -- dK (times scale) and dV, once: rows of the slice over q's heads / group --
             const i64 kv_rows = !GROUPED ? g.kv_rows
-                                : VARLEN ? (i64)((u32)g.head / (u32)group) * p.nk + g.k_start : cta * p.nk;
+                                : VARLEN ? (i64)((u32)g.head / (u32)group) * p.nk + g.k_start : cell.slice * p.nk;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const i64 key = wk0 + 16 * warp + lane / 4 + 8 * h;

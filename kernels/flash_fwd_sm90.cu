@@ -83,13 +83,16 @@ struct Sm90Work {
 };
 
 // The work items of this CTA, in order: item i of `next`. Without PERSISTENT, the one its
-// grid position names (causal: last query tiles first, they see the most keys), or with
+// grid cell names (causal: last query tiles first, they see the most keys; the cell tile-major,
+// slice.cuh), or with
 // VARLEN the query tiles of its sequence that slice.cuh's item loop gives it (n_q_tiles: the
 // sequence's). With PERSISTENT (never VARLEN), items blockIdx.x, blockIdx.x + gridDim.x, ...
 // of all n_q_tiles * num_batch: slices outermost so that neighbouring CTAs share K and V in
-// L2, or (causal) longest query tiles first.
+// L2, or (causal) longest query tiles first, each round of gridDim.x items walked in the
+// opposite direction to the last (CTA 0 takes the first item of even rounds, the last of odd
+// ones), so the CTAs that drew the longest tiles in one round draw the shortest in the next.
 template <bool CAUSAL, bool PERSISTENT, bool VARLEN>
-__device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32 i, Sm90Work& w) {
+__device__ __forceinline__ bool sm90_work(const FwdParams& p, const GridCell& cell, int n_q_tiles, u32 i, Sm90Work& w) {
     static_assert(!(PERSISTENT && VARLEN), "a varlen launch runs one slice a CTA");
     if (VARLEN) {
         const int item = first_item<true>() + (int)i * item_step<true>();
@@ -98,12 +101,13 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, int n_q_tiles, u32
         return item < n_q_tiles && w.bidx < p.num_batch;
     }
     if (!PERSISTENT) {
-        w.bidx = flat_batch_index();
-        w.q_tile = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+        w.bidx = cell.slice;
+        w.q_tile = CAUSAL ? (int)gridDim.x - 1 - cell.tile : cell.tile;
         return i == 0 && w.bidx < p.num_batch;
     }
     // The host runs this form only while n_q_tiles * num_batch < 2^31: 32-bit divisions.
-    const u32 item = blockIdx.x + i * gridDim.x, batches = (u32)p.num_batch;
+    const u32 column = CAUSAL && (i & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const u32 item = column + i * gridDim.x, batches = (u32)p.num_batch;
     if (item >= (u32)n_q_tiles * batches) return false;
     if (CAUSAL) {
         w.q_tile = n_q_tiles - 1 - (int)(item / batches);
@@ -386,7 +390,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const Sm90Barriers<STAGES> bar{base + L::barrier_offset};
 
     const int tid = threadIdx.x, warpgroup = tid / 128;
-    if (!PERSISTENT && flat_batch_index() >= p.num_batch) return;
+    // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
+    // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at the head
+    // dims measured (at 256 the index arithmetic spilled 8 more bytes, unmeasured).
+    const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1);
+    if (!PERSISTENT && cell.slice >= p.num_batch) return;
     if (tid == 0) {
         const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier
         sm90::mbarrier_init(bar.q_full(), loaders);
@@ -402,14 +410,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     __syncthreads();
 
     // Without PERSISTENT the CTA's slice is fixed: its geometry is read once.
-    const SliceGeometry g_cta = slice_geometry<VARLEN>(p, PERSISTENT ? 0 : flat_batch_index());
+    const SliceGeometry g_cta = slice_geometry<VARLEN>(p, PERSISTENT ? 0 : cell.slice);
     const int n_q_tiles = tiles_of(g_cta.nq, kSm90Rows);
     Sm90Ring ring{0, 0};  // both sides walk the same items and count the same tiles
     Sm90Work w;
     if (warpgroup == 0) {
         // ---- producer: per item, Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
-        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, i, w); ++i) {
+        for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, i, w); ++i) {
             const SliceGeometry g = VARLEN ? g_cta : slice_geometry<false>(p, w.bidx);
             const i64 nq = g.nq, nk = g.nk;
             const Band band = g.band<CAUSAL>(p);
@@ -488,9 +496,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         // (at 256 the one-item copy alongside spills 44-52); at 64 the opaque index cost the
         // loop 54 of its 840 instructions and nothing spills without it.
         if (VARLEN && HD == 128 && first_item<VARLEN>() + item_step<VARLEN>() >= n_q_tiles) {
-            if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, 0, w)) run_item(tid);
+            if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, 0, w)) run_item(tid);
         } else {
-            for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, n_q_tiles, i, w); ++i)
+            for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, i, w); ++i)
                 run_item(HD == 64 ? tid : item_thread_index<VARLEN>());
         }
     }

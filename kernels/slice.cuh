@@ -102,6 +102,35 @@ __device__ __forceinline__ int item_tile(int i, int n_tiles) {
     return REVERSED ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
 }
 
+// ---- the (tile, slice) of a dense CTA -------------------------------------------------------
+// A dense grid is (tiles, slices...) and the hardware starts CTAs in linear order, x fastest:
+// every slice's tiles start together, one slice after another. Under causal masking the tiles
+// differ in work (the first key tiles of the backward and the last query tiles of the forward
+// see the most), so the last slices' long tiles start last and run on alone at the end. Read
+// tile-major, the linear order is groups of kSliceGroup slices walked tile by tile (the group's
+// first tiles, then its second tiles, ...): long tiles start early in every group, and a group's
+// tiles still run together, sharing their slices' rows in L2. Only for grids of at most
+// kTileMajorTiles tiles a slice: with more, the slices' own tiles fill the GPU and the order
+// that keeps them together reads less (bench/NOTES.md, session 15).
+constexpr u32 kSliceGroup = CUFLASH_SLICE_GROUP;
+constexpr u32 kTileMajorTiles = CUFLASH_TILE_MAJOR_TILES;
+
+struct GridCell {
+    int tile;   // the grid x index this CTA takes
+    i64 slice;  // its flat (batch..., head) index, as flat_batch_index() (may be past num_batch)
+};
+
+__device__ __forceinline__ GridCell grid_cell(bool tile_major) {
+    if (!tile_major || gridDim.x > kTileMajorTiles) return {(int)blockIdx.x, flat_batch_index()};
+    // 64-bit: tiles x slices can pass 2^32; once a CTA
+    const u64 tiles = gridDim.x, slices = (u64)gridDim.y * gridDim.z;
+    const u64 linear = blockIdx.x + tiles * (u64)flat_batch_index();
+    const u64 group = linear / (kSliceGroup * tiles), within = linear % (kSliceGroup * tiles);
+    const u64 first = group * kSliceGroup;
+    const u64 width = slices - first < kSliceGroup ? slices - first : kSliceGroup;  // the last group may be short
+    return {(int)(within / width), (i64)(first + within % width)};
+}
+
 // The thread index, opaque to the optimizer inside a varlen item loop. Without it the compiler
 // hoists every shared-memory address derived from it out of the loop, and they stay live
 // through the whole tile: the 16-bit forward's varlen form spilled 416 bytes, 0 with this.
