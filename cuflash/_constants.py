@@ -25,7 +25,7 @@ STATS_ROW_MULTIPLE = 128
 # CTAs tile by tile in groups of SLICE_GROUP slices (kSliceGroup, kTileMajorTiles,
 # kernels/slice.cuh): long tiles first, a group's tiles together in L2.
 SLICE_GROUP = 16
-TILE_MAJOR_TILES = 32
+TILE_MAJOR_TILES = 64
 
 # Decoding (kernels/flash_decode.cu). The first two reach it through kernel_defines().
 DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows, one m16 tile)
