@@ -1127,6 +1127,9 @@ def test_commit_is_the_projects_own_or_unknown(tmp_path, monkeypatch):
     _git(own, "commit", "-q", "-m", "own")
     assert common.git_commit(own) == _git(own, "rev-parse", "--short", "HEAD")
     assert common.git_commit(own) != _git(outer, "rev-parse", "--short", "HEAD")
+    (own / "cuflash" / "__init__.py").write_text("# edited after the commit\n")  # files newer than HEAD
+    assert common.git_commit(own) == _git(own, "rev-parse", "--short", "HEAD") + "+changes"
+    (own / "cuflash" / "__init__.py").write_text("")
     plain = tmp_path / "plain"  # no repository at all
     plain.mkdir()
     assert common.git_commit(plain) == "unknown"

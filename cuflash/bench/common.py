@@ -120,8 +120,10 @@ def log(message: str) -> None:
 def git_commit(root: Path = REPO_ROOT) -> str:
     """The commit measured: $CUFLASH_COMMIT when set (a copy of the tree without .git), else
     git's HEAD of `root` (the directory holding the cuflash package) when `root` is the top of
-    its own repository, else "unknown": an installed package, or a tree copied into another
-    repository, must not print that repository's commit."""
+    its own repository, with "+changes" when tracked files differ from it (a device copy whose
+    .git is older than its files printed a commit that had not run), else "unknown": an
+    installed package, or a tree copied into another repository, must not print that
+    repository's commit."""
     if os.environ.get("CUFLASH_COMMIT"):
         return os.environ["CUFLASH_COMMIT"]
 
@@ -136,7 +138,10 @@ def git_commit(root: Path = REPO_ROOT) -> str:
     top = git("rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() != Path(root).resolve():
         return "unknown"
-    return git("rev-parse", "--short", "HEAD") or "unknown"
+    head = git("rev-parse", "--short", "HEAD")
+    if head is None:
+        return "unknown"
+    return head + "+changes" if git("status", "--porcelain", "--untracked-files=no") else head
 
 
 class Footnotes:
