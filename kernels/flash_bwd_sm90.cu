@@ -130,7 +130,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     static_assert(!(GROUPED && SPARSE), "a block mask's tile lists are per head");
     const int group = GROUPED ? (int)b.head_group : 1;
     // Causal: the first key tiles see the most queries; the cell is tile-major (slice.cuh).
-    const GridCell cell = grid_cell(CAUSAL && !VARLEN);
+    const GridCell cell = grid_cell(CAUSAL && !VARLEN, kTileMajorBackward);
     const i64 bidx = cell.slice * group;
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = tid / 128;

@@ -393,7 +393,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
     // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at the head
     // dims measured (at 256 the index arithmetic spilled 8 more bytes, unmeasured).
-    const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1);
+    const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1, kTileMajorForward);
     if (!PERSISTENT && cell.slice >= p.num_batch) return;
     if (tid == 0) {
         const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier

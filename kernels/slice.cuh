@@ -110,18 +110,20 @@ __device__ __forceinline__ int item_tile(int i, int n_tiles) {
 // tile-major, the linear order is groups of kSliceGroup slices walked tile by tile (the group's
 // first tiles, then its second tiles, ...): long tiles start early in every group, and a group's
 // tiles still run together, sharing their slices' rows in L2. Only for grids of at most
-// kTileMajorTiles tiles a slice: with more, the slices' own tiles fill the GPU and the order
-// that keeps them together reads less (bench/NOTES.md, session 15).
+// kTileMajorForward (forward) or kTileMajorBackward (backward) tiles a slice, where it measured
+// faster: with more, the slices' own tiles fill the GPU (bench/NOTES.md, session 15).
 constexpr u32 kSliceGroup = CUFLASH_SLICE_GROUP;
-constexpr u32 kTileMajorTiles = CUFLASH_TILE_MAJOR_TILES;
+constexpr u32 kTileMajorForward = CUFLASH_TILE_MAJOR_FORWARD_TILES;
+constexpr u32 kTileMajorBackward = CUFLASH_TILE_MAJOR_BACKWARD_TILES;
 
 struct GridCell {
     int tile;   // the grid x index this CTA takes
     i64 slice;  // its flat (batch..., head) index, as flat_batch_index() (may be past num_batch)
 };
 
-__device__ __forceinline__ GridCell grid_cell(bool tile_major) {
-    if (!tile_major || gridDim.x > kTileMajorTiles) return {(int)blockIdx.x, flat_batch_index()};
+// tile_major: whether this launch's form may take that order; most_tiles: up to how many tiles a slice.
+__device__ __forceinline__ GridCell grid_cell(bool tile_major, u32 most_tiles) {
+    if (!tile_major || gridDim.x > most_tiles) return {(int)blockIdx.x, flat_batch_index()};
     // 64-bit: tiles x slices can pass 2^32; once a CTA
     const u64 tiles = gridDim.x, slices = (u64)gridDim.y * gridDim.z;
     const u64 linear = blockIdx.x + tiles * (u64)flat_batch_index();
