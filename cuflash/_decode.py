@@ -20,31 +20,10 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _api, _checks, _config, _constants, _plan, _tiles, _variants
+from . import _api, _checks, _config, _constants, _params, _plan, _tiles, _variants
 from .masks import window_option
 
 MAX_KEY_POSITION = 2**31 - 1  # the kernel counts keys (and capacity + Nq) in 32 bits
-
-# struct DecodeParams in kernels/flash_decode.cu, member by member (each 8 bytes); the kernel
-# static_asserts each member's word as _variants.kernel_defines() passes it from here.
-_DECODE_PARAM_FIELDS = (
-    ("q", "Q"), ("k", "Q"), ("v", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
-    ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("page_table", "Q"), ("seqlens", "Q"),
-    ("kv_heads", "q"), ("group", "q"), ("nq", "q"), ("rows", "q"), ("row_tiles", "q"), ("num_bh", "q"),
-    ("capacity", "q"), ("d", "q"), ("dv", "q"),
-    ("q_batch_stride", "q"), ("q_head_stride", "q"), ("q_row_stride", "q"),
-    ("k_batch_stride", "q"), ("k_head_stride", "q"), ("k_row_stride", "q"),
-    ("v_batch_stride", "q"), ("v_head_stride", "q"), ("v_row_stride", "q"),
-    ("page_shift", "q"), ("max_pages", "q"), ("num_pages", "q"),
-    ("num_splits", "q"), ("tiles_per_split", "q"),
-    ("scale", "d"), ("scale_log2", "d"),
-    ("window_left", "q"), ("window_right", "q"),
-)
-_COMBINE_PARAM_FIELDS = (
-    ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
-    ("total_rows", "q"), ("dv", "q"), ("num_splits", "q"), ("scale", "d"), ("scale_log2", "d"),
-)
-
 
 class DecodePlan(NamedTuple):
     """Everything :func:`decode_attention` decides from shapes, strides and the GPU's size."""
@@ -390,9 +369,9 @@ class DecodeLaunch:
 
     def __init__(self, plan: DecodePlan, device_id: int):
         self.plan = plan
-        zero = {name: 0 for name, kind in _DECODE_PARAM_FIELDS if kind == "Q"}
-        block = _plan._words(struct.pack(_fmt(_DECODE_PARAM_FIELDS), *(
-            {**plan.fields, **zero}[name] for name, _ in _DECODE_PARAM_FIELDS)))
+        zero = {name: 0 for name, kind in _params.DECODE_PARAM_FIELDS if kind == "Q"}
+        block = _plan._words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
+            {**plan.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
         self.kernel = _plan.Kernel(plan.variant, device_id, _plan.slice_grid(plan.grid_x, plan.num_bh), [block],
                                    plan.d, plan.dv)
         self.ws_l_offset, self.ws_m_offset = plan.workspace_offsets  # ws_o, then ws_l, then ws_m
@@ -402,8 +381,8 @@ class DecodeLaunch:
             combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=plan.total_rows, dv=plan.dv,
                            num_splits=plan.num_splits, scale=plan.fields["scale"],
                            scale_log2=plan.fields["scale_log2"])
-            block = _plan._words(struct.pack(_fmt(_COMBINE_PARAM_FIELDS), *(
-                combine[name] for name, _ in _COMBINE_PARAM_FIELDS)))
+            block = _plan._words(struct.pack(_params.fields_format(_params.COMBINE_PARAM_FIELDS), *(
+                combine[name] for name, _ in _params.COMBINE_PARAM_FIELDS)))
             self.combine = _plan.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
         self.ctx = _plan.device_context(device_id)
         self.lock = threading.Lock()
@@ -432,10 +411,6 @@ class DecodeLaunch:
             if self.combine is not None:
                 self.combine.params[0][0:6] = (*ws, o, l, m)
                 self.combine.launch(drv, stream)
-
-
-def _fmt(fields) -> str:
-    return "<" + "".join(kind for _, kind in fields)
 
 
 

@@ -23,7 +23,7 @@ import threading
 from typing import NamedTuple
 
 
-from . import _checks, _config, _constants, _loader, _tma, _variants
+from . import _checks, _config, _constants, _loader, _params, _tma, _variants
 from ._broadcast import broadcast_layout
 from ._constants import MAX_LEAD_DIMS
 
@@ -170,26 +170,6 @@ class Context:
 
 # ---- parameter blocks ------------------------------------------------------------------------
 
-# Field order of struct FwdParams in kernels/common.cuh (every member 8 bytes; the six pointers
-# first, so a call rewrites words 0-5).
-FWD_PARAM_FORMAT = "<" + "".join((
-    "Q" * 6,                    # q, k, v, o, l, m
-    "q" * 4 + "q",              # nq, nk, d, dv; num_batch
-    "q" * (4 * MAX_LEAD_DIMS),  # lead_shape, q/k/v_lead_stride
-    "q" * 3 + "q",              # q/k/v_row_stride; kv_group
-    "dd",                       # scale, scale_log2
-    "qq",                       # window_left, window_right
-    "QQQ",                      # tile_counts, tile_lists, blocks
-    "qq" + "q" * 4,             # n_outer, list_stride; block_q, block_k, mask_tq, mask_tk
-    "q" * MAX_LEAD_DIMS,        # mask_lead_stride
-    "QQq",                      # cu_seqlens_q, cu_seqlens_k; num_seqs
-))
-# The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
-CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-3]) // 8
-# struct BwdParams: the nine pointers first (words 0-8).
-BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "qq" + "q"
-# struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.
-REDUCE_PARAM_FORMAT = "<QQqqq"
 # The block-sparsity fields of a dense launch: null lists, so the kernel walks every tile.
 DENSE_TILES = (0,) * (3 + 2 + 4 + MAX_LEAD_DIMS)
 DENSE_SPARSITY = _checks.NO_WINDOW + DENSE_TILES  # the fields from window_left to mask_lead_stride
@@ -199,7 +179,7 @@ def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPA
     """struct FwdParams with null pointers (a call writes them); sparsity: the fields from
     window_left on (sparsity_fields). num_seqs > 0: a varlen launch of that many sequences,
     nq and nk the packed totals; its slices are (sequence, head), and its cu_seqlens pointers
-    are written per call (CU_SEQLENS_WORD)."""
+    are written per call (_params.CU_SEQLENS_WORD)."""
     num_batch = math.prod(layout.lead_shape) * (num_seqs or 1)
     values = (
         0, 0, 0, 0, 0, 0,
@@ -207,7 +187,7 @@ def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPA
         *layout.lead_shape, *layout.q_strides, *layout.k_strides, *layout.v_strides,
         *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity, 0, 0, num_seqs,
     )
-    return struct.pack(FWD_PARAM_FORMAT, *values)
+    return struct.pack(_params.FWD_PARAM_FORMAT, *values)
 
 
 def sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, window):
@@ -338,7 +318,8 @@ class ForwardPlan:
                 return plan.run(q, k, v, o, l, m, stream, cu_seqlens_q, cu_seqlens_k)
             kernel.params[0][0:6] = (q, k, v, o, l, m)
             if self.varlen:
-                kernel.params[0][CU_SEQLENS_WORD:CU_SEQLENS_WORD + 2] = (cu_seqlens_q, cu_seqlens_k)
+                word = _params.CU_SEQLENS_WORD
+                kernel.params[0][word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
             with Context(self.ctx) as drv:
                 kernel.launch(drv, stream)
 
@@ -459,7 +440,7 @@ class BackwardPlan:
             for block in self.fwd_blocks:
                 block[0:6] = (q, k, v, o, l, m)
                 if self.varlen:
-                    block[CU_SEQLENS_WORD:CU_SEQLENS_WORD + 2] = (cu_seqlens_q, cu_seqlens_k)
+                    block[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] = (cu_seqlens_q, cu_seqlens_k)
             self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
             if self.zero is not None:
                 _check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")
@@ -492,7 +473,7 @@ def _check_stats(stats, stats_shape):
 
 def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype, zero_dq_acc=False, head_group=1):
     """struct BwdParams with its pointers 0 (a call writes them); strides: do, q, k, v, o."""
-    return _words(struct.pack(BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2],
+    return _words(struct.pack(_params.BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2],
                               strides[4][-2], int(dkv_in_dtype), int(zero_dq_acc), head_group))
 
 
@@ -507,7 +488,7 @@ def _reduce_kernels(grads, out_lead, dtype, device_id):
         outer = math.prod(grad.shape[:-2])
         per_cta = variant.threads * variant.elements_per_thread
         grid = (max(1, min(-(-outer * inner // per_cta), 16 * sm_count(device_id))), 1, 1)
-        block = _words(struct.pack(REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
+        block = _words(struct.pack(_params.REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
         reduces.append((Kernel(variant, device_id, grid, [block]), index))
     return reduces
 

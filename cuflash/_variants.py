@@ -16,9 +16,10 @@ cuflash/_tiles.py; nothing here chooses.
 from __future__ import annotations
 
 import dataclasses
+import struct
 import typing
 
-from . import _constants
+from . import _constants, _params, _tma
 
 # The C++ type of each dtype in a name expression.
 _CPP_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16", "float32": "float"}
@@ -488,28 +489,12 @@ class DecodeCombine(_Launch):
         return _instance("flash_decode_combine_kernel", self.dtype, self.warps)
 
 
-def _pointer_words(param_format: str) -> int:
-    """The pointers at the start of a struct.pack format ("<QQQqd..."): the words a call writes."""
-    kinds = param_format.lstrip("<")
-    return len(kinds) - len(kinds.lstrip("Q"))
-
-
-def _member_words(fields) -> str:
-    """CUFLASH_PARAM_WORD(name, word) for each (name, kind) member of a block packed by name, one
-    8-byte word each (cuflash/_decode.py): flash_decode.cu expands it into a static_assert each."""
-    return " ".join(f"CUFLASH_PARAM_WORD({name}, {word})" for word, (name, _) in enumerate(fields))
-
-
 def kernel_defines() -> dict:
     """{macro: value} of the numbers every variant is built with: those of cuflash/_constants.py,
-    the Hopper kernels' fixed CTA shapes, and the parameter blocks as Python packs them (their
-    sizes, and the words a call writes), read by kernels/common.cuh, tile_io.cuh, sm90.cuh,
+    the Hopper kernels' fixed CTA shapes, and the parameter blocks as cuflash/_params.py lays
+    them out (their sizes, and the words a call writes), read by kernels/common.cuh, tile_io.cuh, sm90.cuh,
     flash_fwd_sm90.cu, flash_bwd_sm90.cu, flash_decode.cu and grad_reduce.cu (each a static_assert
     or a constant there); passed by _loader.base_options()."""
-    import struct
-
-    # The parameter blocks' formats (and the tensor maps', numpy, ctypes): only when building.
-    from . import _decode, _plan, _tma
     return {
         "CUFLASH_SMEM_PAD": _constants.SMEM_PAD,
         "CUFLASH_MAX_LEAD": _constants.MAX_LEAD_DIMS,
@@ -520,17 +505,17 @@ def kernel_defines() -> dict:
         "CUFLASH_TILE_MAJOR_BACKWARD_TILES": _constants.TILE_MAJOR_BACKWARD_TILES,
         "CUFLASH_DECODE_ROWS": _constants.DECODE_ROW_TILE,
         "CUFLASH_DECODE_PAGE_GROUP": _constants.DECODE_PAGE_GROUP,
-        "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_plan.FWD_PARAM_FORMAT),
-        "CUFLASH_FWD_POINTER_WORDS": _pointer_words(_plan.FWD_PARAM_FORMAT),
-        "CUFLASH_CU_SEQLENS_WORD": _plan.CU_SEQLENS_WORD,
-        "CUFLASH_BWD_PARAM_BYTES": struct.calcsize(_plan.BWD_PARAM_FORMAT),
-        "CUFLASH_BWD_POINTER_WORDS": _pointer_words(_plan.BWD_PARAM_FORMAT),
-        "CUFLASH_REDUCE_PARAM_BYTES": struct.calcsize(_plan.REDUCE_PARAM_FORMAT),
-        "CUFLASH_REDUCE_POINTER_WORDS": _pointer_words(_plan.REDUCE_PARAM_FORMAT),
-        "CUFLASH_DECODE_PARAM_BYTES": struct.calcsize(_decode._fmt(_decode._DECODE_PARAM_FIELDS)),
-        "CUFLASH_DECODE_PARAM_WORDS": _member_words(_decode._DECODE_PARAM_FIELDS),
-        "CUFLASH_COMBINE_PARAM_BYTES": struct.calcsize(_decode._fmt(_decode._COMBINE_PARAM_FIELDS)),
-        "CUFLASH_COMBINE_PARAM_WORDS": _member_words(_decode._COMBINE_PARAM_FIELDS),
+        "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_params.FWD_PARAM_FORMAT),
+        "CUFLASH_FWD_POINTER_WORDS": _params.pointer_words(_params.FWD_PARAM_FORMAT),
+        "CUFLASH_CU_SEQLENS_WORD": _params.CU_SEQLENS_WORD,
+        "CUFLASH_BWD_PARAM_BYTES": struct.calcsize(_params.BWD_PARAM_FORMAT),
+        "CUFLASH_BWD_POINTER_WORDS": _params.pointer_words(_params.BWD_PARAM_FORMAT),
+        "CUFLASH_REDUCE_PARAM_BYTES": struct.calcsize(_params.REDUCE_PARAM_FORMAT),
+        "CUFLASH_REDUCE_POINTER_WORDS": _params.pointer_words(_params.REDUCE_PARAM_FORMAT),
+        "CUFLASH_DECODE_PARAM_BYTES": struct.calcsize(_params.fields_format(_params.DECODE_PARAM_FIELDS)),
+        "CUFLASH_DECODE_PARAM_WORDS": _params.member_words(_params.DECODE_PARAM_FIELDS),
+        "CUFLASH_COMBINE_PARAM_BYTES": struct.calcsize(_params.fields_format(_params.COMBINE_PARAM_FIELDS)),
+        "CUFLASH_COMBINE_PARAM_WORDS": _params.member_words(_params.COMBINE_PARAM_FIELDS),
         "CUFLASH_SM90_FWD_ROWS": HopperForward.block_rows,
         "CUFLASH_SM90_FWD_WARPS": HopperForward.warps,
         "CUFLASH_SM90_BWD_ROWS": HopperBackward.block_rows,

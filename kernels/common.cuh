@@ -26,7 +26,7 @@ constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python
 #define CUFLASH_OFFSETOF(type, member) __INTADDR__(&((type*)0)->member)
 
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
-// without caring about padding rules; cuflash/_plan.py packs it (FWD_PARAM_FORMAT), and the
+// without caring about padding rules; cuflash/_params.py lays it out (FWD_PARAM_FORMAT), and the
 // static_asserts after BwdParams hold the two in step.
 struct FwdParams {
     const void* q;
@@ -100,16 +100,16 @@ struct BwdParams {
     i64 head_group;
 };
 
-// The blocks as cuflash/_plan.py packs them (FWD_PARAM_FORMAT, BWD_PARAM_FORMAT: their sizes
+// The blocks as cuflash/_params.py lays them out (FWD_PARAM_FORMAT, BWD_PARAM_FORMAT: their sizes
 // and the words a call writes, passed by _variants.kernel_defines()): a member added or
 // dropped on one side only, or one that moves the words a call writes, fails every build here.
-static_assert(sizeof(FwdParams) == CUFLASH_FWD_PARAM_BYTES, "FwdParams against _plan.FWD_PARAM_FORMAT");
+static_assert(sizeof(FwdParams) == CUFLASH_FWD_PARAM_BYTES, "FwdParams against _params.FWD_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(FwdParams, nq) == 8 * CUFLASH_FWD_POINTER_WORDS,
               "q .. m, the pointers a call writes, are the first words");
 static_assert(CUFLASH_OFFSETOF(FwdParams, cu_seqlens_q) == 8 * CUFLASH_CU_SEQLENS_WORD &&
                   CUFLASH_OFFSETOF(FwdParams, cu_seqlens_k) == 8 * CUFLASH_CU_SEQLENS_WORD + 8,
-              "the two words a varlen call writes (_plan.CU_SEQLENS_WORD)");
-static_assert(sizeof(BwdParams) == CUFLASH_BWD_PARAM_BYTES, "BwdParams against _plan.BWD_PARAM_FORMAT");
+              "the two words a varlen call writes (_params.CU_SEQLENS_WORD)");
+static_assert(sizeof(BwdParams) == CUFLASH_BWD_PARAM_BYTES, "BwdParams against _params.BWD_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(BwdParams, nq_pad) == 8 * CUFLASH_BWD_POINTER_WORDS,
               "dout .. dv_acc, the pointers a call writes, are the first words");
 

@@ -45,7 +45,7 @@ constexpr int kDecodeRows = CUFLASH_DECODE_ROWS;  // query rows a warp
 constexpr int kPageGroup = CUFLASH_DECODE_PAGE_GROUP;  // keys that share one page-table look-up
 static_assert(kDecodeRows == 16, "a warp's rows are one m16 mma tile (the accumulator rows lane / 4 + 8 h)");
 
-// Every member is 8 bytes, packed by cuflash/_decode.py by name (_DECODE_PARAM_FIELDS).
+// Every member is 8 bytes, laid out by cuflash/_params.py by name (DECODE_PARAM_FIELDS).
 struct DecodeParams {
     const void* q;        // (batch..., Hq, nq, d): strided, last dim contiguous
     const void* k;        // dense (batch, Hk, capacity, d) or paged (num_pages, Hk, page_size, d)
@@ -91,23 +91,23 @@ struct DecodeCombineParams {
     double scale, scale_log2;
 };
 
-// Both blocks as cuflash/_decode.py packs them, member by member (_DECODE_PARAM_FIELDS,
-// _COMBINE_PARAM_FIELDS): kernel_defines() passes each member's word as
+// Both blocks as cuflash/_params.py lays them out, member by member (DECODE_PARAM_FIELDS,
+// COMBINE_PARAM_FIELDS): kernel_defines() passes each member's word as
 // CUFLASH_PARAM_WORD(name, word), so a member renamed, moved, added or dropped on one side
 // only fails the build here.
 #define CUFLASH_PARAM_WORD(name, word)                                                \
     static_assert(CUFLASH_OFFSETOF(DecodeParams, name) == 8 * (word),                 \
-                  "DecodeParams::" #name " against _DECODE_PARAM_FIELDS");
+                  "DecodeParams::" #name " against _params.DECODE_PARAM_FIELDS");
 CUFLASH_DECODE_PARAM_WORDS
 #undef CUFLASH_PARAM_WORD
-static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAM_BYTES, "DecodeParams against _DECODE_PARAM_FIELDS");
+static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAM_BYTES, "DecodeParams against _params.DECODE_PARAM_FIELDS");
 #define CUFLASH_PARAM_WORD(name, word)                                                \
     static_assert(CUFLASH_OFFSETOF(DecodeCombineParams, name) == 8 * (word),          \
-                  "DecodeCombineParams::" #name " against _COMBINE_PARAM_FIELDS");
+                  "DecodeCombineParams::" #name " against _params.COMBINE_PARAM_FIELDS");
 CUFLASH_COMBINE_PARAM_WORDS
 #undef CUFLASH_PARAM_WORD
 static_assert(sizeof(DecodeCombineParams) == CUFLASH_COMBINE_PARAM_BYTES,
-              "DecodeCombineParams against _COMBINE_PARAM_FIELDS");
+              "DecodeCombineParams against _params.COMBINE_PARAM_FIELDS");
 
 template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS>
 struct DecodeSmemLayout {

@@ -15,7 +15,7 @@ struct GradReduceParams {
     i64 inner;         // elements of one slice: a multiple of 4 (head dims are multiples of 8)
     i64 outer;
 };
-static_assert(sizeof(GradReduceParams) == CUFLASH_REDUCE_PARAM_BYTES, "against _plan.REDUCE_PARAM_FORMAT");
+static_assert(sizeof(GradReduceParams) == CUFLASH_REDUCE_PARAM_BYTES, "against _params.REDUCE_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(GradReduceParams, groups) == 8 * CUFLASH_REDUCE_POINTER_WORDS,
               "src, dst, the pointers a call writes, are the first words");
 

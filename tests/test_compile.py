@@ -99,23 +99,23 @@ def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
 def test_kernels_check_the_parameter_blocks_python_packs(monkeypatch):
     """A parameter block packed otherwise than the kernels lay it out stops the build: its size,
     the words a call writes (the pointers first, the varlen pair), and each decoding member."""
-    from cuflash import _decode, _plan
+    from cuflash import _params
 
     forward = _config.forward_config("bfloat16", 64, 64, False)
     decode = _config.all_decode_variants()[0]
-    for module, name, value, message in (
-            (_plan, "BWD_PARAM_FORMAT", _plan.BWD_PARAM_FORMAT[:-1], "BwdParams against _plan.BWD_PARAM_FORMAT"),
-            (_plan, "FWD_PARAM_FORMAT", "<q" + _plan.FWD_PARAM_FORMAT[2:], "the pointers a call writes"),
-            (_plan, "CU_SEQLENS_WORD", _plan.CU_SEQLENS_WORD + 1, "_plan.CU_SEQLENS_WORD")):
+    for name, value, message in (
+            ("BWD_PARAM_FORMAT", _params.BWD_PARAM_FORMAT[:-1], "BwdParams against _params.BWD_PARAM_FORMAT"),
+            ("FWD_PARAM_FORMAT", "<q" + _params.FWD_PARAM_FORMAT[2:], "the pointers a call writes"),
+            ("CU_SEQLENS_WORD", _params.CU_SEQLENS_WORD + 1, "_params.CU_SEQLENS_WORD")):
         with monkeypatch.context() as patch:
-            patch.setattr(module, name, value)
+            patch.setattr(_params, name, value)
             with pytest.raises(RuntimeError, match=message):
                 _loader.compile_offline(forward.source, [forward.name_expression], "sm_80")
-    fields = list(_decode._DECODE_PARAM_FIELDS)
+    fields = list(_params.DECODE_PARAM_FIELDS)
     fields[11], fields[12] = fields[12], fields[11]  # kv_heads and group
     with monkeypatch.context() as patch:
-        patch.setattr(_decode, "_DECODE_PARAM_FIELDS", tuple(fields))
-        with pytest.raises(RuntimeError, match="DecodeParams::kv_heads against _DECODE_PARAM_FIELDS"):
+        patch.setattr(_params, "DECODE_PARAM_FIELDS", tuple(fields))
+        with pytest.raises(RuntimeError, match="DecodeParams::kv_heads against _params.DECODE_PARAM_FIELDS"):
             _loader.compile_offline(decode.source, [decode.name_expression], "sm_80")
 
 

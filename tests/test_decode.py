@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cpu_fakes import HostArrayAsDevice
-from cuflash import _config, _constants, _decode, _tiles, _variants, compile_check
+from cuflash import _config, _constants, _decode, _params, _tiles, _variants, compile_check
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -37,10 +37,10 @@ def plan(q, k, v=None, **kwargs):
 
 def test_a_plan_fills_every_member():
     p = plan(arr((2, 32, 1, 128)), paged_cache(), page_table=arr((2, 5), np.int32), seqlens_k=arr((2,), np.int32))
-    pointers = {name: 0 for name, kind in _decode._DECODE_PARAM_FIELDS if kind == "Q"}
-    assert set(p.fields) | set(pointers) == {name for name, _ in _decode._DECODE_PARAM_FIELDS}
-    assert struct.calcsize(_decode._fmt(_decode._DECODE_PARAM_FIELDS)) == \
-        8 * len(_decode._DECODE_PARAM_FIELDS)
+    pointers = {name: 0 for name, kind in _params.DECODE_PARAM_FIELDS if kind == "Q"}
+    assert set(p.fields) | set(pointers) == {name for name, _ in _params.DECODE_PARAM_FIELDS}
+    assert struct.calcsize(_params.fields_format(_params.DECODE_PARAM_FIELDS)) == \
+        8 * len(_params.DECODE_PARAM_FIELDS)
 
 
 def test_a_page_group_is_the_smallest_page():

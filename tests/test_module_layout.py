@@ -27,6 +27,13 @@ def test_fixed_numbers_and_tile_tables_import_nothing(name):
     assert module_level_imports(name) == []
 
 
-def test_variants_read_only_the_fixed_numbers():
+def test_variants_read_only_the_fixed_numbers_and_the_block_layouts():
     imports = module_level_imports("_variants.py")
-    assert [i for i in imports if i.startswith(".")] == [".:_constants"], imports
+    assert [i for i in imports if i.startswith(".")] == [".:_constants", ".:_params", ".:_tma"], imports
+
+
+@pytest.mark.parametrize("name, within", [("_params.py", ["._constants:MAX_LEAD_DIMS"]), ("_tma.py", [])])
+def test_the_block_layouts_read_only_the_fixed_numbers(name, within):
+    """The parameter blocks' and the tensor maps' layouts, which the variants pass to the kernels
+    as defines, load nothing of cuflash but the fixed numbers."""
+    assert [i for i in module_level_imports(name) if i.startswith(".")] == within

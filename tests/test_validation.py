@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu
-from cuflash import _api, _broadcast, _checks, _constants, _plan
+from cuflash import _api, _broadcast, _checks, _constants, _params, _plan
 
 
 def test_numpy_arrays_are_refused_with_their_shape():
@@ -191,9 +191,9 @@ def test_dense_sparsity_fills_the_block_between_scale_and_cu_seqlens():
     # A dense launch: window (-1, -1), then null lists and zero sizes / strides.
     assert _plan.DENSE_SPARSITY == (-1, -1) + (0,) * 13
     # ... and the varlen fields last: two pointers (cu_seqlens_q, cu_seqlens_k) and num_seqs.
-    after_scale = _plan.FWD_PARAM_FORMAT.split("dd", 1)[1]
+    after_scale = _params.FWD_PARAM_FORMAT.split("dd", 1)[1]
     assert len(_plan.DENSE_SPARSITY) == len(after_scale) - 3 and after_scale.endswith("QQq")
-    assert _plan.CU_SEQLENS_WORD == len(_plan.FWD_PARAM_FORMAT) - 1 - 3
+    assert _params.CU_SEQLENS_WORD == len(_params.FWD_PARAM_FORMAT) - 1 - 3
 
 
 # ---- block masks and windows ---------------------------------------------------------------
