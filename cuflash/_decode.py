@@ -413,7 +413,6 @@ class DecodeLaunch:
                 self.combine.launch(drv, stream)
 
 
-
 # id(plan) -> (plan, DecodeLaunch): the plan is held so that its id is not reused.
 _launches: dict = {}
 

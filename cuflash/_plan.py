@@ -440,7 +440,8 @@ class BackwardPlan:
             for block in self.fwd_blocks:
                 block[0:6] = (q, k, v, o, l, m)
                 if self.varlen:
-                    block[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] = (cu_seqlens_q, cu_seqlens_k)
+                    word = _params.CU_SEQLENS_WORD
+                    block[word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
             self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
             if self.zero is not None:
                 _check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")

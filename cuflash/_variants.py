@@ -492,9 +492,9 @@ class DecodeCombine(_Launch):
 def kernel_defines() -> dict:
     """{macro: value} of the numbers every variant is built with: those of cuflash/_constants.py,
     the Hopper kernels' fixed CTA shapes, and the parameter blocks as cuflash/_params.py lays
-    them out (their sizes, and the words a call writes), read by kernels/common.cuh, tile_io.cuh, sm90.cuh,
-    flash_fwd_sm90.cu, flash_bwd_sm90.cu, flash_decode.cu and grad_reduce.cu (each a static_assert
-    or a constant there); passed by _loader.base_options()."""
+    them out (their sizes, and the words a call writes), read by kernels/common.cuh,
+    tile_io.cuh, sm90.cuh, slice.cuh, flash_fwd_sm90.cu, flash_bwd_sm90.cu, flash_decode.cu and
+    grad_reduce.cu (each a static_assert or a constant there); passed by _loader.base_options()."""
     return {
         "CUFLASH_SMEM_PAD": _constants.SMEM_PAD,
         "CUFLASH_MAX_LEAD": _constants.MAX_LEAD_DIMS,

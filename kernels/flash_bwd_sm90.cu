@@ -245,13 +245,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     // the tensor cores compute dP^T while P^T is formed --
                     float acc_s[8][4], acc_dp[8][4];
                     auto issue_dp = [&] {
-    #pragma unroll
+#pragma unroll
                         for (int kk = 0; kk < HD / 16; ++kk)
                             sm90::wgmma_ss<T, 64>(acc_dp, sm90::kmajor_desc<kBwd90Keys>(sV, row0, kk),
                                                   sm90::kmajor_desc<kBwd90Rows>(cDO, 0, kk), kk > 0);
                     };
                     sm90::wgmma_fence();
-    #pragma unroll
+#pragma unroll
                     for (int kk = 0; kk < HD / 16; ++kk)
                         sm90::wgmma_ss<T, 64>(acc_s, sm90::kmajor_desc<kBwd90Keys>(sK, row0, kk),
                                               sm90::kmajor_desc<kBwd90Rows>(cQ, 0, kk), kk > 0);
@@ -271,9 +271,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     // whose registers S^T, dK and dV fill (rows of S^T are keys).
                     const unsigned long long keep = SPARSE && tiles.partial(t)
                         ? partial_tile_keep<1, 8, true>(p, tiles, wk0 + 16 * warp, q0, lane) : ~0ull;
-    #pragma unroll
+#pragma unroll
                     for (int n = 0; n < 8; ++n)
-    #pragma unroll
+#pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int ql = 8 * n + my_col + (e & 1);
                             const float2 ml = *reinterpret_cast<const float2*>(st + 2 * ql);  // (m, log2 l)
@@ -288,9 +288,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         i64 mask_q0 = q0;
                         asm volatile("" : "+l"(mask_q0));
                         const TileMask mask(band, mask_q0, wk0, nk);
-    #pragma unroll
+#pragma unroll
                         for (int n = 0; n < 8; ++n)
-    #pragma unroll
+#pragma unroll
                             for (int e = 0; e < 4; ++e) {
                                 const int ql = 8 * n + my_col + (e & 1), kl = 16 * warp + lane / 4 + 8 * (e / 2);
                                 if (!mask.allowed(ql, kl)) acc_s[n][e] = 0.f;
@@ -305,7 +305,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     sm90::fence_operand(acc_dv);
                     sm90::wgmma_fence();
                     if constexpr (!kDpUnderP) issue_dp();
-    #pragma unroll
+#pragma unroll
                     for (int kk = 0; kk < 4; ++kk)
                         sm90::wgmma_rs<T, HD>(acc_dv, p_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cDO, kk), 1);
                     sm90::wgmma_commit();
@@ -318,11 +318,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     sm90::fence_operand(acc_dp);
 
                     // -- dS^T = P^T o (dP^T - D), P^T as rounded to 16 bits (as flash_bwd_kernel does) --
-    #pragma unroll
+#pragma unroll
                     for (int kk = 0; kk < 4; ++kk)
-    #pragma unroll
+#pragma unroll
                         for (int half = 0; half < 2; ++half)
-    #pragma unroll
+#pragma unroll
                             for (int h = 0; h < 2; ++h) {
                                 const int n = 2 * kk + half;
                                 const float2 pv = unpack2<T>(p_frag[kk][2 * half + h]);
@@ -338,7 +338,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
                     sm90::fence_operand(acc_dk);
                     sm90::wgmma_fence();
-    #pragma unroll
+#pragma unroll
                     for (int kk = 0; kk < 4; ++kk)
                         sm90::wgmma_rs<T, HD>(acc_dk, ds_frag[kk], sm90::mnmajor_desc<kBwd90Rows>(cQ, kk), 1);
                     sm90::wgmma_commit();
@@ -362,7 +362,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                             const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
                             // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
                             // transposed: both MN-major. 64-column block col0 / 64 of K.
-    #pragma unroll
+#pragma unroll
                             for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
                                 sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
                                                      sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
@@ -370,18 +370,18 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                             sm90::wgmma_commit();
                             sm90::wgmma_wait<0>();
                             sm90::fence_operand(acc_dq);
-    #pragma unroll
+#pragma unroll
                             for (int h = 0; h < 2; ++h) {
                                 const int r = 16 * warp + lane / 4 + 8 * h;
                                 if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
-    #pragma unroll
+#pragma unroll
                                     for (int n = 0; n < 8; ++n)
                                         *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
                                             make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
                                 } else {
                                     if (q0 + r >= nq) continue;
                                     float* row = b.dq_acc + (dq_rows + q0 + r) * p.d + col0 + my_col;
-    #pragma unroll
+#pragma unroll
                                     for (int n = 0; n < 8; ++n)
                                         atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
                                 }
