@@ -87,3 +87,24 @@ def test_atomic_dq_forms(dtype, d, causal, rng):
         q, do = (random_array(rng, (2, 4, nq, d), dtype) for _ in range(2))
         k, v = (random_array(rng, (2, 2, nk, d), dtype) for _ in range(2))
         run_checked(q, k, v, do, dtype=dtype, causal=causal)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_causal_grids_walk_groups_of_slices_tile_by_tile(d, rng):
+    """Causal dense grids start their CTAs tile by tile in groups of SLICE_GROUP slices
+    (grid_cell, kernels/slice.cuh). Four heads more than a group make one full group and a
+    short one; 1100 rows are 9 key tiles of the backward and 9 query tiles of the forward, one
+    more than the persistent forward takes, so both kernels take that order. Every tile of every
+    head is checked against float64: a tile run twice or never shows there."""
+    from cuflash import _constants
+
+    heads = _constants.SLICE_GROUP + 4
+    assert 1100 // 128 + 1 <= min(_constants.TILE_MAJOR_FORWARD_TILES, _constants.TILE_MAJOR_BACKWARD_TILES)
+    dtype = "bfloat16"
+    q, k, v, do = (random_array(rng, (1, heads, 1100, d), dtype) for _ in range(4))
+    with launched_variants() as launched:
+        run_checked(q, k, v, do, dtype=dtype, causal=True)
+    forwards = [x for x in launched if isinstance(x, _variants.HopperForward)]
+    backwards = [x for x in launched if isinstance(x, _variants.HopperBackward)]
+    assert forwards and not any(x.persistent for x in forwards) and all(x.causal for x in forwards)
+    assert backwards and all(x.causal and not x.varlen for x in backwards)
