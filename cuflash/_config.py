@@ -100,12 +100,14 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     ``slices``: the launch's (batch..., head) slices; a persistent grid counts its items
     (query tiles x slices) in 32 bits, so past 2^31 items it runs one item a CTA.
     ``varlen``: a packed variable-length batch: the same tiles in their VARLEN form (never
-    block-sparse, and on wgmma never persistent: a CTA keeps one sequence and head).
+    block-sparse), nq its longest sequence; on wgmma persistent as a dense batch of that length
+    would be, at the head dims of ``_tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS``.
     """
     if varlen:
         variant = forward_config(dtype, d, dv, causal, tiles=tiles, wgmma=wgmma, nq=nq, tma=tma, slices=slices)
-        extra = {"persistent": False} if isinstance(variant, HopperForward) else {}
-        return dataclasses.replace(variant, varlen=True, **extra)
+        if isinstance(variant, HopperForward) and d not in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS:
+            variant = dataclasses.replace(variant, persistent=False)
+        return dataclasses.replace(variant, varlen=True)
     if (wgmma and tiles is None and _wgmma_forward[0] and dtype in _constants.TENSOR_CORE_DTYPES and d == dv
             and d in _tiles.SM90_FORWARD_TILES):
         *schedule, persistent = _tiles.SM90_FORWARD_TILES[d]
@@ -125,6 +127,18 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal), *unroll, sparse=bool(sparse))
 
 
+def _hopper_forms(dtype, hd, causal, sparse=False, varlen=False):
+    """The wgmma forward's forms the dispatcher can pick for these arguments: for short and long
+    queries (persistent or not, where the table switches on length), and the forms it falls
+    back to: cp.async for inputs the copy engine cannot map, one item a CTA past 2^31 items."""
+    forms = set()
+    for nq in (1, 2**30):
+        variant = forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True, nq=nq, varlen=varlen)
+        forms |= {variant, dataclasses.replace(variant, tma=False), dataclasses.replace(variant, persistent=False),
+                  dataclasses.replace(variant, tma=False, persistent=False)}
+    return sorted(forms, key=lambda v: v.key)
+
+
 def all_forward_variants(wgmma: bool = False):
     """Every variant the dispatcher can pick (what the offline compile check builds)."""
     variants = []
@@ -133,19 +147,9 @@ def all_forward_variants(wgmma: bool = False):
             for causal in (False, True):
                 for dtype in ("float16", "bfloat16"):
                     for hd in sorted(_tiles.SM90_FORWARD_TILES):
-                        # Short and long queries (persistent or not, where the table switches
-                        # on length), and the forms the dispatcher falls back to: cp.async for
-                        # inputs the copy engine cannot map, one item a CTA past 2^31 items.
-                        forms = set()
-                        for nq in (1, 2**30):
-                            variant = forward_config(dtype, hd, hd, causal, sparse=sparse, wgmma=True, nq=nq)
-                            forms |= {variant, dataclasses.replace(variant, tma=False),
-                                      dataclasses.replace(variant, persistent=False),
-                                      dataclasses.replace(variant, tma=False, persistent=False)}
-                        variants += sorted(forms, key=lambda v: v.key)
-                        if not sparse:  # varlen: one item a CTA, TMA or cp.async
-                            packed = forward_config(dtype, hd, hd, causal, wgmma=True, varlen=True)
-                            variants += [packed, dataclasses.replace(packed, tma=False)]
+                        variants += _hopper_forms(dtype, hd, causal, sparse=sparse)
+                        if not sparse:
+                            variants += _hopper_forms(dtype, hd, causal, varlen=True)
     for sparse in (False, True):
         for causal in (False, True):
             for dtype in ("float16", "bfloat16"):

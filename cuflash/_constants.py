@@ -21,13 +21,15 @@ PARTIAL_TILE = 1 << 30  # flag bit of a tile-list entry whose tile needs the ele
 # The backward's per-row statistics (lse2, D) are padded to a multiple of this many rows; the
 # kernels check that their query tiles divide it (kStatsRowMultiple).
 STATS_ROW_MULTIPLE = 128
-# The Hopper kernels' causal dense grids of at most this many tiles a slice (forward query
-# tiles, backward key tiles) start their CTAs tile by tile in groups of SLICE_GROUP slices
-# (kSliceGroup, kTileMajorForward, kTileMajorBackward in kernels/slice.cuh): long tiles first,
-# a group's tiles together in L2. Where each was measured to win (bench/NOTES.md, session 15).
+# The Hopper kernels' causal grids of at most this many tiles a slice (forward query tiles of
+# dense batches, backward key tiles of dense and of packed varlen ones) start their CTAs tile by
+# tile in groups of SLICE_GROUP slices (kSliceGroup, kTileMajorForward, kTileMajorBackward,
+# kTileMajorVarlenBackward in kernels/slice.cuh): long tiles first, a group's tiles together in
+# L2. Where each was measured to win (bench/NOTES.md, sessions 15 and 16).
 SLICE_GROUP = 16
 TILE_MAJOR_FORWARD_TILES = 32
 TILE_MAJOR_BACKWARD_TILES = 64
+TILE_MAJOR_VARLEN_BACKWARD_TILES = 8
 
 # Decoding (kernels/flash_decode.cu). The first two reach it through kernel_defines().
 DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows, one m16 tile)

@@ -28,10 +28,10 @@ FWD_PARAM_FORMAT = "<" + "".join((
     "QQQ",                      # tile_counts, tile_lists, blocks
     "qq" + "q" * 4,             # n_outer, list_stride; block_q, block_k, mask_tq, mask_tk
     "q" * MAX_LEAD_DIMS,        # mask_lead_stride
-    "QQq",                      # cu_seqlens_q, cu_seqlens_k; num_seqs
+    "QQqq",                     # cu_seqlens_q, cu_seqlens_k; num_seqs, varlen_tiles
 ))
 # The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
-CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-3]) // 8
+CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-4]) // 8
 # struct BwdParams: the nine pointers first (words 0-8).
 BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "qq" + "q"
 # struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.

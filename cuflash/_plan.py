@@ -175,17 +175,19 @@ DENSE_TILES = (0,) * (3 + 2 + 4 + MAX_LEAD_DIMS)
 DENSE_SPARSITY = _checks.NO_WINDOW + DENSE_TILES  # the fields from window_left to mask_lead_stride
 
 
-def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPARSITY, num_seqs=0) -> bytes:
+def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPARSITY, num_seqs=0,
+                   varlen_tiles=0) -> bytes:
     """struct FwdParams with null pointers (a call writes them); sparsity: the fields from
     window_left on (sparsity_fields). num_seqs > 0: a varlen launch of that many sequences,
     nq and nk the packed totals; its slices are (sequence, head), and its cu_seqlens pointers
-    are written per call (_params.CU_SEQLENS_WORD)."""
+    are written per call (_params.CU_SEQLENS_WORD). varlen_tiles: a persistent varlen
+    forward's query tiles a slice (the x of its one-item-a-CTA grid)."""
     num_batch = math.prod(layout.lead_shape) * (num_seqs or 1)
     values = (
         0, 0, 0, 0, 0, 0,
         nq, nk, d, dv, num_batch,
         *layout.lead_shape, *layout.q_strides, *layout.k_strides, *layout.v_strides,
-        *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity, 0, 0, num_seqs,
+        *row_strides, layout.kv_group, scale, scale * math.log2(math.e), *sparsity, 0, 0, num_seqs, varlen_tiles,
     )
     return struct.pack(_params.FWD_PARAM_FORMAT, *values)
 
@@ -681,8 +683,8 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
         return plan
     _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
-    variant = _config.forward_config(dtype, d, dv, causal, wgmma=_config.has_wgmma(cc), nq=max_seqlen_q, tma=tma,
-                                     varlen=True)
+    variant = _config.forward_config(dtype, d, dv, causal, wgmma=_config.has_wgmma(cc), nq=min(max_seqlen_q, total_q),
+                                     tma=tma, slices=heads * num_seqs, varlen=True)
     row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
     maps = None
     if isinstance(variant, _variants.HopperForward) and variant.tma:
@@ -693,10 +695,16 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
             maps = None
             variant = dataclasses.replace(variant, tma=False)
     sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
-    params = [_words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))]
+    grid_x = varlen_grid_x(max_seqlen_q, total_q, variant.block_rows)
+    persistent = getattr(variant, "persistent", False)  # items (grid_x tiles, slice) walked by one CTA an SM
+    params = [_words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs,
+                                    grid_x if persistent else 0))]
     if isinstance(variant, _variants.HopperForward):
         params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
-    grid = slice_grid(varlen_grid_x(max_seqlen_q, total_q, variant.block_rows), heads * num_seqs)
+    if persistent:
+        grid = (min(grid_x * heads * num_seqs, sm_count(device_id)), 1, 1)
+    else:
+        grid = slice_grid(grid_x, heads * num_seqs)
     kernel = Kernel(variant, device_id, grid, params, d, dv)
 
     def fallback():

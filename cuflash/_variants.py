@@ -155,7 +155,7 @@ class HopperForward(_Launch):
     # overlap this one's epilogue
     causal: bool
     sparse: bool = False
-    varlen: bool = False  # a packed variable-length batch (never persistent: one slice a CTA)
+    varlen: bool = False  # a packed variable-length batch (persistent: items of any sequence and head)
 
     source = "flash_fwd_sm90.cu"
     key_prefix = "fwd_sm90"
@@ -503,6 +503,7 @@ def kernel_defines() -> dict:
         "CUFLASH_SLICE_GROUP": _constants.SLICE_GROUP,
         "CUFLASH_TILE_MAJOR_FORWARD_TILES": _constants.TILE_MAJOR_FORWARD_TILES,
         "CUFLASH_TILE_MAJOR_BACKWARD_TILES": _constants.TILE_MAJOR_BACKWARD_TILES,
+        "CUFLASH_TILE_MAJOR_VARLEN_BACKWARD_TILES": _constants.TILE_MAJOR_VARLEN_BACKWARD_TILES,
         "CUFLASH_DECODE_ROWS": _constants.DECODE_ROW_TILE,
         "CUFLASH_DECODE_PAGE_GROUP": _constants.DECODE_PAGE_GROUP,
         "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_params.FWD_PARAM_FORMAT),

@@ -69,6 +69,7 @@ struct FwdParams {
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     i64 num_seqs;
+    i64 varlen_tiles;  // a persistent varlen forward: the query tiles its items span (else 0)
 };
 
 constexpr int kPartialTile = CUFLASH_PARTIAL_TILE;  // flag bit of a tile_lists entry

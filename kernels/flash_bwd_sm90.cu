@@ -129,8 +129,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // ungrouped forms at head dim 128 by up to 56 more bytes.
     static_assert(!(GROUPED && SPARSE), "a block mask's tile lists are per head");
     const int group = GROUPED ? (int)b.head_group : 1;
-    // Causal: the first key tiles see the most queries; the cell is tile-major (slice.cuh).
-    const GridCell cell = grid_cell(CAUSAL && !VARLEN, kTileMajorBackward);
+    // Causal: the first key tiles see the most queries; the cell is tile-major (slice.cuh), with
+    // its own bound for packed batches.
+    const GridCell cell = grid_cell(CAUSAL, VARLEN ? kTileMajorVarlenBackward : kTileMajorBackward);
     const i64 bidx = cell.slice * group;
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = tid / 128;
@@ -156,8 +157,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         const int n_k_tiles = tiles_of(nk, kBwd90Keys);
         u32 ring = 0;  // query tiles of the earlier items
 #pragma unroll 1
-        for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-            if (item != first_item<VARLEN>()) __syncthreads();  // the consumers are done with K and V
+        for (int item = first_item<VARLEN>(cell.tile); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+            if (item != first_item<VARLEN>(cell.tile)) __syncthreads();  // the consumers are done with K and V
             const int key_tile = VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile;
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
@@ -201,8 +202,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         const int n_k_tiles = tiles_of(nk, kBwd90Keys);
         u32 ring = 0, kv_round = 0;  // query tiles and K / V loads of the earlier items
 #pragma unroll 1
-        for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-            if (item != first_item<VARLEN>()) __syncthreads();  // this item's K and V may be loaded
+        for (int item = first_item<VARLEN>(cell.tile); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+            if (item != first_item<VARLEN>(cell.tile)) __syncthreads();  // this item's K and V may be loaded
             const int key_tile = VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile;
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);

@@ -76,27 +76,39 @@ struct Sm90Ring {
     __device__ __forceinline__ u32 phase(int t, int stages) const { return ((first_tile + t) / stages) & 1; }
 };
 
-// One (query tile, slice) work item.
+// One (query tile, slice) work item, and (persistent varlen) where the walk stands.
 struct Sm90Work {
     i64 bidx;
     int q_tile;
+    u32 round;  // PERSISTENT && VARLEN: rounds of items drawn so far
+    int x, lap, n;  // ... the item's grid column, its lap over the sequence, the sequence's query tiles
 };
 
-// The work items of this CTA, in order: item i of `next`. Without PERSISTENT, the one its
-// grid cell names (causal: last query tiles first, they see the most keys; the cell tile-major,
-// slice.cuh), or with
-// VARLEN the query tiles of its sequence that slice.cuh's item loop gives it (n_q_tiles: the
-// sequence's). With PERSISTENT (never VARLEN), items blockIdx.x, blockIdx.x + gridDim.x, ...
-// of all n_q_tiles * num_batch: slices outermost so that neighbouring CTAs share K and V in
-// L2, or (causal) longest query tiles first, each round of gridDim.x items walked in the
-// opposite direction to the last (CTA 0 takes the first item of even rounds, the last of odd
-// ones), so the CTAs that drew the longest tiles in one round draw the shortest in the next.
+// The work items of this CTA, in order: sm90_work(..., i, w) sets item i, or says there is
+// none. Without PERSISTENT, the one its
+// grid cell names (causal: last query tiles first, they see the most keys; the cell may be
+// tile-major, slice.cuh), or with VARLEN the query tiles of its sequence that slice.cuh's item
+// loop gives it from the cell's tile (n_q_tiles: the sequence's). With PERSISTENT, items
+// blockIdx.x, blockIdx.x + gridDim.x, ... of all n_q_tiles * num_batch: slices outermost so
+// that neighbouring CTAs share K and V in L2, or (causal) longest query tiles first, each
+// round of gridDim.x items walked in the opposite direction to the last (CTA 0 takes the first
+// item of even rounds, the last of odd ones), so the CTAs that drew the longest tiles in one
+// round draw the shortest in the next. PERSISTENT with VARLEN: the same rounds over
+// p.varlen_tiles (the one-item-a-CTA grid's x) * num_batch items, item (x, slice) standing
+// for the slice's query tiles x, x + varlen_tiles, ... (laps) below its sequence's count,
+// counted from the last when causal; items past a short sequence's tiles are skipped. The
+// walk's state is in w, so call with i = 0, 1, ... on one w, set up by sm90_work_start.
+__device__ __forceinline__ void sm90_work_start(Sm90Work& w) {
+    w.round = 0;
+    w.lap = -1;
+    w.x = w.n = 0;
+}
+
 template <bool CAUSAL, bool PERSISTENT, bool VARLEN>
 __device__ __forceinline__ bool sm90_work(const FwdParams& p, const GridCell& cell, int n_q_tiles, u32 i, Sm90Work& w) {
-    static_assert(!(PERSISTENT && VARLEN), "a varlen launch runs one slice a CTA");
-    if (VARLEN) {
-        const int item = first_item<true>() + (int)i * item_step<true>();
-        w.bidx = flat_batch_index();
+    if (VARLEN && !PERSISTENT) {
+        const int item = first_item<true>(cell.tile) + (int)i * item_step<true>();
+        w.bidx = cell.slice;
         w.q_tile = item_tile<true, CAUSAL>(item, n_q_tiles);
         return item < n_q_tiles && w.bidx < p.num_batch;
     }
@@ -105,18 +117,44 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, const GridCell& ce
         w.q_tile = CAUSAL ? (int)gridDim.x - 1 - cell.tile : cell.tile;
         return i == 0 && w.bidx < p.num_batch;
     }
-    // The host runs this form only while n_q_tiles * num_batch < 2^31: 32-bit divisions.
-    const u32 column = CAUSAL && (i & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const u32 item = column + i * gridDim.x, batches = (u32)p.num_batch;
-    if (item >= (u32)n_q_tiles * batches) return false;
-    if (CAUSAL) {
-        w.q_tile = n_q_tiles - 1 - (int)(item / batches);
-        w.bidx = item % batches;
-    } else {
-        w.q_tile = (int)(item % (u32)n_q_tiles);
-        w.bidx = item / (u32)n_q_tiles;
+    // The host runs this form only while tiles * num_batch < 2^31: 32-bit divisions.
+    const u32 batches = (u32)p.num_batch;
+    const u32 tiles = VARLEN ? (u32)p.varlen_tiles : (u32)n_q_tiles;
+    if (VARLEN && w.lap >= 0 && w.x + (w.lap + 1) * (int)tiles < w.n) {  // the item's next lap
+        ++w.lap;
+        const int t = w.x + w.lap * (int)tiles;
+        w.q_tile = CAUSAL ? w.n - 1 - t : t;
+        return true;
     }
-    return true;
+    for (;;) {
+        const u32 round = VARLEN ? w.round++ : i;
+        const u32 column = CAUSAL && (round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        const u32 item = column + round * gridDim.x;
+        if (item >= tiles * batches) return false;
+        u32 x;
+        if (CAUSAL) {
+            x = item / batches;
+            w.bidx = item % batches;
+        } else {
+            x = item % tiles;
+            w.bidx = item / tiles;
+        }
+        if (!VARLEN) {
+            w.q_tile = CAUSAL ? n_q_tiles - 1 - (int)x : (int)x;
+            return true;
+        }
+        const u32 heads = (u32)p.lead_shape[kMaxLead - 1];
+        i64 start, rows;
+        packed_rows(p.cu_seqlens_q, (u32)w.bidx / heads, p.nq, start, rows);
+        const int n = tiles_of(rows, kSm90Rows);
+        if ((int)x < n) {
+            w.x = (int)x;
+            w.lap = 0;
+            w.n = n;
+            w.q_tile = CAUSAL ? n - 1 - (int)x : (int)x;
+            return true;
+        }
+    }
 }
 
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
@@ -369,7 +407,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
 }
 
 // VARLEN: a packed variable-length batch (slice.cuh), one sequence and head a CTA, walking
-// the query tiles of its sequence that its grid position names. The tensor maps span every
+// the query tiles of its sequence that its grid position names, or (PERSISTENT) items of any
+// sequence and head, as sm90_work says. The tensor maps span every
 // packed row of a head: rows past the sequence's end are loaded but masked as keys (the
 // sequence's nk) and never stored as queries (its nq).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
@@ -414,11 +453,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const int n_q_tiles = tiles_of(g_cta.nq, kSm90Rows);
     Sm90Ring ring{0, 0};  // both sides walk the same items and count the same tiles
     Sm90Work w;
+    sm90_work_start(w);
     if (warpgroup == 0) {
         // ---- producer: per item, Q once, then K and V of every tile into the ring ----
         sm90::release_registers<kProducerRegisters>();
         for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, i, w); ++i) {
-            const SliceGeometry g = VARLEN ? g_cta : slice_geometry<false>(p, w.bidx);
+            const SliceGeometry g = VARLEN && !PERSISTENT ? g_cta : slice_geometry<VARLEN>(p, w.bidx);
             const i64 nq = g.nq, nk = g.nk;
             const Band band = g.band<CAUSAL>(p);
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
@@ -478,7 +518,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     } else {
         sm90::claim_registers<kConsumerRegisters>();
         auto run_item = [&](int ctid) {
-            const SliceGeometry g = VARLEN ? g_cta : slice_geometry<false>(p, w.bidx);
+            const SliceGeometry g = VARLEN && !PERSISTENT ? g_cta : slice_geometry<VARLEN>(p, w.bidx);
             const Band band = g.band<CAUSAL>(p);
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < g.nq ? q0 + kSm90Rows : g.nq;
@@ -490,12 +530,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 ++ring.q_round;
             }
         };
-        // At head dim 128 a varlen CTA whose grid row covers its sequence has one item: it runs
-        // it outside the item loop, on the plain thread index. Inside the loop, above head dim
-        // 64, the index must be opaque (slice.cuh): without it those forms spill 732-1228 bytes
-        // (at 256 the one-item copy alongside spills 44-52); at 64 the opaque index cost the
-        // loop 54 of its 840 instructions and nothing spills without it.
-        if (VARLEN && HD == 128 && first_item<VARLEN>() + item_step<VARLEN>() >= n_q_tiles) {
+        // At head dims 64 and 128 a varlen CTA whose grid row covers its sequence has one item:
+        // it runs it outside the item loop, on the plain thread index (at 64, 16 x 12 x 4096
+        // causal: 1251 -> 1194 us, session 16). Inside the loop, above head dim 64, the index
+        // must be opaque (slice.cuh): without it those forms spill 732-1228 bytes (at 256 the
+        // one-item copy alongside spills 44-52); at 64 the opaque index cost the loop 54 of its
+        // 840 instructions and nothing spills without it.
+        if (VARLEN && !PERSISTENT && HD <= 128 && first_item<VARLEN>(cell.tile) + item_step<VARLEN>() >= n_q_tiles) {
             if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, 0, w)) run_item(tid);
         } else {
             for (u32 i = 0; sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, i, w); ++i)

@@ -87,11 +87,13 @@ __device__ __forceinline__ int tiles_of(i64 n, int size) { return (int)((n + siz
 
 // ---- work items along the grid's x axis ----------------------------------------------------
 // A dense CTA has one item, the tile its grid position names. A varlen grid is sized from
-// max_seqlen, which a sequence may exceed: its CTA walks items blockIdx.x, blockIdx.x +
-// gridDim.x, ... while they are below the sequence's n_tiles, so no tile is skipped. A kernel
-// loops `for (int i = first_item<VARLEN>(); i < item_count<VARLEN>(n); i += item_step<VARLEN>())`,
+// max_seqlen, which a sequence may exceed: its CTA walks items x, x + gridDim.x, ... while they
+// are below the sequence's n_tiles, so no tile is skipped (x: blockIdx.x, or the tile of its
+// grid cell where the kernel reads the grid tile-major, below). A kernel loops
+// `for (int i = first_item<VARLEN>(); i < item_count<VARLEN>(n); i += item_step<VARLEN>())`,
 // which for dense code is one pass the compiler removes.
 template <bool VARLEN> __device__ __forceinline__ int first_item() { return VARLEN ? (int)blockIdx.x : 0; }
+template <bool VARLEN> __device__ __forceinline__ int first_item(int cell_tile) { return VARLEN ? cell_tile : 0; }
 template <bool VARLEN> __device__ __forceinline__ int item_step() { return VARLEN ? (int)gridDim.x : 1; }
 template <bool VARLEN> __device__ __forceinline__ int item_count(int n_tiles) { return VARLEN ? n_tiles : 1; }
 // The tile of item i; REVERSED walks the last tiles first (causal: they see the most keys, so
@@ -102,8 +104,8 @@ __device__ __forceinline__ int item_tile(int i, int n_tiles) {
     return REVERSED ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
 }
 
-// ---- the (tile, slice) of a dense CTA -------------------------------------------------------
-// A dense grid is (tiles, slices...) and the hardware starts CTAs in linear order, x fastest:
+// ---- the (tile, slice) of a CTA ---------------------------------------------------------------
+// A grid is (tiles, slices...) and the hardware starts CTAs in linear order, x fastest:
 // every slice's tiles start together, one slice after another. Under causal masking the tiles
 // differ in work (the first key tiles of the backward and the last query tiles of the forward
 // see the most), so the last slices' long tiles start last and run on alone at the end. Read
@@ -111,10 +113,14 @@ __device__ __forceinline__ int item_tile(int i, int n_tiles) {
 // first tiles, then its second tiles, ...): long tiles start early in every group, and a group's
 // tiles still run together, sharing their slices' rows in L2. Only for grids of at most
 // kTileMajorForward (forward) or kTileMajorBackward (backward) tiles a slice, where it measured
-// faster: with more, the slices' own tiles fill the GPU (bench/NOTES.md, session 15).
+// faster: with more, the slices' own tiles fill the GPU (bench/NOTES.md, session 15). A varlen
+// grid's x is its longest sequence's tiles, and its CTAs start their items from the cell's tile:
+// its backward takes the order up to kTileMajorVarlenBackward tiles (from 16, with lengths that
+// differ, it measured level or slower; session 16), its forward never.
 constexpr u32 kSliceGroup = CUFLASH_SLICE_GROUP;
 constexpr u32 kTileMajorForward = CUFLASH_TILE_MAJOR_FORWARD_TILES;
 constexpr u32 kTileMajorBackward = CUFLASH_TILE_MAJOR_BACKWARD_TILES;
+constexpr u32 kTileMajorVarlenBackward = CUFLASH_TILE_MAJOR_VARLEN_BACKWARD_TILES;
 
 struct GridCell {
     int tile;   // the grid x index this CTA takes
@@ -124,7 +130,7 @@ struct GridCell {
 // tile_major: whether this launch's form may take that order; most_tiles: up to how many tiles a slice.
 __device__ __forceinline__ GridCell grid_cell(bool tile_major, u32 most_tiles) {
     if (!tile_major || gridDim.x > most_tiles) return {(int)blockIdx.x, flat_batch_index()};
-    // 64-bit: tiles x slices can pass 2^32; once a CTA
+    // 64-bit: tiles x slices can pass 2^32 (a few multiply-adds once a CTA)
     const u64 tiles = gridDim.x, slices = (u64)gridDim.y * gridDim.z;
     const u64 linear = blockIdx.x + tiles * (u64)flat_batch_index();
     const u64 group = linear / (kSliceGroup * tiles), within = linear % (kSliceGroup * tiles);

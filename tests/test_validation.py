@@ -190,10 +190,11 @@ class TestOnGpu:
 def test_dense_sparsity_fills_the_block_between_scale_and_cu_seqlens():
     # A dense launch: window (-1, -1), then null lists and zero sizes / strides.
     assert _plan.DENSE_SPARSITY == (-1, -1) + (0,) * 13
-    # ... and the varlen fields last: two pointers (cu_seqlens_q, cu_seqlens_k) and num_seqs.
+    # ... and the varlen fields last: two pointers (cu_seqlens_q, cu_seqlens_k), num_seqs and
+    # varlen_tiles.
     after_scale = _params.FWD_PARAM_FORMAT.split("dd", 1)[1]
-    assert len(_plan.DENSE_SPARSITY) == len(after_scale) - 3 and after_scale.endswith("QQq")
-    assert _params.CU_SEQLENS_WORD == len(_params.FWD_PARAM_FORMAT) - 1 - 3
+    assert len(_plan.DENSE_SPARSITY) == len(after_scale) - 4 and after_scale.endswith("QQqq")
+    assert _params.CU_SEQLENS_WORD == len(_params.FWD_PARAM_FORMAT) - 1 - 4
 
 
 # ---- block masks and windows ---------------------------------------------------------------

@@ -103,6 +103,38 @@ def test_max_seqlen_below_the_longest_sequence_still_computes_it_whole(dtype, d,
     check_backward(grads, do, q, k, v, cu_q, cu_k, dtype=dtype, causal=True)
 
 
+@pytest.mark.skipif(not HAS_WGMMA, reason="the persistent and tile-major varlen forms are the wgmma ones")
+@pytest.mark.parametrize("longest", (1000, 1100))
+@pytest.mark.parametrize("d", (64, 128))
+def test_wgmma_grids_of_long_and_short_sequences(d, longest, rng):
+    """Up to 1024 rows (8 query tiles) the head-dim-64 forward is persistent: one CTA an SM
+    walks (tile, sequence, head) items, skipping tiles a shorter sequence lacks; otherwise one
+    item a CTA. The backward's grid of up to TILE_MAJOR_VARLEN_BACKWARD_TILES key tiles is read
+    tile-major in groups of SLICE_GROUP slices (kernels/slice.cuh): here 3 sequences of
+    SLICE_GROUP + 4 heads, 60 slices, three full groups and a short one. Every covered row is
+    checked against float64, so a tile run twice or never shows there."""
+    import cuflash
+    from cuflash import _constants, _tiles, _variants
+
+    heads = _constants.SLICE_GROUP + 4
+    persistent = longest <= 1024 and d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS
+    # 1000 rows: the backward's grid is tile-major; 1100: not.
+    assert -(-1000 // 128) <= _constants.TILE_MAJOR_VARLEN_BACKWARD_TILES < -(-1100 // 128)
+    lengths = (longest, 0, 301)
+    q, k, v, cu_q, cu_k = packed_inputs(rng, "bfloat16", lengths, lengths, hq=heads, hk=heads, d=d)
+    with launched_variants() as launched:
+        out = run_forward(q, k, v, cu_q, cu_k, causal=True, max_seqlen_q=longest, max_seqlen_k=longest)
+        do = random_array(rng, out.o.shape, "bfloat16")
+        grads = cuflash.attention_backward(to_device(do), to_device(q), to_device(k), to_device(v), *out,
+                                           causal=True, cu_seqlens_q=to_device(cu_q), cu_seqlens_k=to_device(cu_k),
+                                           max_seqlen_q=longest, max_seqlen_k=longest)
+    forwards = [x for x in launched if isinstance(x, _variants.HopperForward)]
+    assert forwards and all(x.varlen and x.persistent == persistent for x in forwards)
+    assert any(isinstance(x, _variants.HopperBackward) and x.varlen for x in launched)
+    check_forward(out, q, k, v, cu_q, cu_k, dtype="bfloat16", causal=True)
+    check_backward(grads, do, q, k, v, cu_q, cu_k, dtype="bfloat16", causal=True)
+
+
 def clean_rows(cu_q, cu_k, total_q, total_k):
     """Rows of the sequences whose query and key ranges no other sequence's overlap."""
     rows_q, rows_k = ref.sequence_rows(cu_q, total_q), ref.sequence_rows(cu_k, total_k)
