@@ -5,7 +5,7 @@ and every argument check (the GPU tests are in test_varlen_gpu.py)."""
 import numpy as np
 import pytest
 
-from cuflash import _checks, _config, _constants, _plan
+from cuflash import _checks, _config, _constants, _plan, _tiles
 from cuflash import reference as ref
 
 
@@ -123,14 +123,17 @@ def test_varlen_grid_covers_the_announced_longest_sequence():
 
 @pytest.mark.parametrize("wgmma", (False, True))
 @pytest.mark.parametrize("dtype", _constants.SUPPORTED_DTYPES)
-def test_varlen_variants_are_listed_and_never_persistent(wgmma, dtype):
+def test_varlen_variants_are_listed_and_persistent_where_measured(wgmma, dtype):
     listed = {v.key for v in _config.all_variants(hopper=True, wgmma=wgmma)}
     for d in (64, 128, 256, 96):
         for causal in (False, True):
             for nq in (1, 512, 2**20):
                 variant = _config.forward_config(dtype, d, d, causal, wgmma=wgmma, nq=nq, varlen=True)
                 assert variant.varlen and variant.key.endswith("varlen") and variant.key in listed
-                assert not getattr(variant, "persistent", False)
+                # persistent as a dense batch of the longest sequence, at the head dims measured
+                dense = _config.forward_config(dtype, d, d, causal, wgmma=wgmma, nq=nq)
+                want = getattr(dense, "persistent", False) and d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS
+                assert getattr(variant, "persistent", False) == want
                 assert not getattr(variant, "sparse", False)
             for deterministic in (False, True):
                 plan = _config.backward_plan(dtype, d, d, causal, deterministic, wgmma=wgmma, varlen=True)
@@ -199,7 +202,10 @@ def test_block_mask_and_decoding_arguments_are_refused():
 class TestTorchAdapterChecks:
     """cuflash.torch.attention checks its varlen arguments before anything reaches a GPU."""
 
-    torch = pytest.importorskip("torch")
+    @pytest.fixture(autouse=True)
+    def _torch(self):
+        # Here, not in the class body: importorskip at collection would skip the whole module.
+        self.torch = pytest.importorskip("torch")
 
     def args(self, cu_dtype=None):
         torch = self.torch
