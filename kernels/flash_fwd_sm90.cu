@@ -431,7 +431,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const int tid = threadIdx.x, warpgroup = tid / 128;
     // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
     // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at the head
-    // dims measured (at 256 the index arithmetic spilled 8 more bytes, unmeasured).
+    // dims measured (at 256 the index arithmetic spilled 8 more bytes, unmeasured), not for
+    // varlen grids (level or slower at 16 x 12 x 4096 x 64 packed, session 16).
     const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1, kTileMajorForward);
     if (!PERSISTENT && cell.slice >= p.num_batch) return;
     if (tid == 0) {
@@ -448,7 +449,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     }
     __syncthreads();
 
-    // Without PERSISTENT the CTA's slice is fixed: its geometry is read once.
+    // Without PERSISTENT the CTA's slice is fixed: its geometry is read once (a persistent
+    // launch reads each item's; n_q_tiles is then slice 0's, which dense slices share).
     const SliceGeometry g_cta = slice_geometry<VARLEN>(p, PERSISTENT ? 0 : cell.slice);
     const int n_q_tiles = tiles_of(g_cta.nq, kSm90Rows);
     Sm90Ring ring{0, 0};  // both sides walk the same items and count the same tiles
