@@ -534,10 +534,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         };
         // At head dims 64 and 128 a varlen CTA whose grid row covers its sequence has one item:
         // it runs it outside the item loop, on the plain thread index (at 64, 16 x 12 x 4096
-        // causal: 1251 -> 1194 us, session 16). Inside the loop, above head dim 64, the index
-        // must be opaque (slice.cuh): without it those forms spill 732-1228 bytes (at 256 the
-        // one-item copy alongside spills 44-52); at 64 the opaque index cost the loop 54 of its
-        // 840 instructions and nothing spills without it.
+        // causal: 1217-1244 -> 1190-1223 us, session 16). Inside the loop, above head dim 64,
+        // the index must be opaque (slice.cuh): without it those forms spill 732-1228 bytes (at
+        // 256 the one-item copy alongside spills 44-52); at 64 the opaque index cost the loop 54
+        // of its 840 instructions and nothing spills without it.
         if (VARLEN && !PERSISTENT && HD <= 128 && first_item<VARLEN>(cell.tile) + item_step<VARLEN>() >= n_q_tiles) {
             if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, 0, w)) run_item(tid);
         } else {
