@@ -85,10 +85,10 @@ struct Sm90Work {
 };
 
 // The work items of this CTA, in order: sm90_work(..., i, w) sets item i, or says there is
-// none. Without PERSISTENT, the one its
-// grid cell names (causal: last query tiles first, they see the most keys; the cell may be
-// tile-major, slice.cuh), or with VARLEN the query tiles of its sequence that slice.cuh's item
-// loop gives it from the cell's tile (n_q_tiles: the sequence's). With PERSISTENT, items
+// none. Without PERSISTENT, the one its grid cell names (causal: last query tiles first, they
+// see the most keys; the cell may be tile-major, slice.cuh), or with VARLEN the query tiles of
+// its sequence that slice.cuh's item loop gives it from the cell's tile (n_q_tiles: the
+// sequence's). With PERSISTENT, items
 // blockIdx.x, blockIdx.x + gridDim.x, ... of all n_q_tiles * num_batch: slices outermost so
 // that neighbouring CTAs share K and V in L2, or (causal) longest query tiles first, each
 // round of gridDim.x items walked in the opposite direction to the last (CTA 0 takes the first
@@ -408,9 +408,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
 
 // VARLEN: a packed variable-length batch (slice.cuh), one sequence and head a CTA, walking
 // the query tiles of its sequence that its grid position names, or (PERSISTENT) items of any
-// sequence and head, as sm90_work says. The tensor maps span every
-// packed row of a head: rows past the sequence's end are loaded but masked as keys (the
-// sequence's nk) and never stored as queries (its nq).
+// sequence and head, as sm90_work says. The tensor maps span every packed row of a head: rows
+// past the sequence's end are loaded but masked as keys (the sequence's nk) and never stored
+// as queries (its nq).
 template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
           bool SPARSE, bool VARLEN, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSm90Threads, 1)
