@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from cuflash import _config, _loader, _plan, _tma, _variants
+from cuflash import _config, _loader, _params, _plan, _tiles, _tma, _variants
 
 
 class _FakeDriver:
@@ -140,6 +140,28 @@ def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):
     maps = ctypes.cast(plan.kernel.argv[1], ctypes.POINTER(ctypes.c_uint64))
     assert (maps[0], maps[16], maps[32]) == (0x1100, 0x2100, 0x3100)
     assert first["smem"] == plan.variant.smem_bytes() and first["block"] == (plan.variant.threads, 1, 1)
+
+
+@pytest.mark.parametrize("d,longest,persistent", ((64, 1000, True), (64, 1100, False), (128, 1000, False)))
+def test_packed_batches_take_the_persistent_grid_where_it_was_measured(fake_gpu, d, longest, persistent):
+    """A packed (varlen) forward is persistent, one CTA an SM walking (tile, sequence, head)
+    items, where a dense batch of its longest sequence would be and its head dim is listed in
+    _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS; its parameter block then says how many tiles an
+    item's x runs over (varlen_tiles, the last word); otherwise a grid of (tiles, slices)."""
+    heads, seqs, total = 4, 3, 2500
+    shape = (heads, total, d)
+    plan = _plan.varlen_forward_plan(shape, _contiguous(shape), shape, _contiguous(shape), shape, _contiguous(shape),
+                                     "bfloat16", 0, True, None, None, seqs, longest, (0x1000, 0x20000, 0x40000))
+    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 42, 0x7000, 0x8000)
+    (launch,) = fake_gpu.launches
+    tiles = -(-longest // 128)
+    assert plan.kernel.variant.varlen and plan.kernel.variant.persistent == persistent
+    assert (d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS and tiles <= 8) == persistent
+    words = struct.unpack(_params.FWD_PARAM_FORMAT, ctypes.string_at(plan.kernel.argv[0],
+                                                                      struct.calcsize(_params.FWD_PARAM_FORMAT)))
+    assert words[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] == (0x7000, 0x8000)
+    assert words[-2:] == (seqs, tiles if persistent else 0)  # num_seqs, varlen_tiles
+    assert launch["grid"] == ((min(tiles * heads * seqs, 132), 1, 1) if persistent else (tiles, heads * seqs, 1))
 
 
 def test_maps_are_encoded_once_per_pointer_triple_when_not_patchable(fake_gpu, monkeypatch):
