@@ -148,6 +148,14 @@ def slice_grid(grid_x: int, num_batch: int):
     return grid_x, grid_y, -(-num_batch // grid_y)
 
 
+def forward_grid(variant, tiles: int, slices: int, device_id: int):
+    """The forward's grid: one CTA an SM walking the tiles x slices items (a persistent
+    variant), else a CTA each (slice_grid)."""
+    if getattr(variant, "persistent", False):
+        return (min(tiles * slices, sm_count(device_id)), 1, 1)
+    return slice_grid(tiles, slices)
+
+
 class Context:
     """Runs launches in a plan's device context: pushed for the call when another is current."""
 
@@ -361,12 +369,8 @@ def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_s
     params = [_words(forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))]
     if isinstance(variant, _variants.HopperForward):
         params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
-    n_q_tiles = -(-nq // variant.block_rows)
-    if getattr(variant, "persistent", False):
-        grid = (min(n_q_tiles * num_batch, sm_count(device_id)), 1, 1)
-    else:
-        grid = slice_grid(n_q_tiles, num_batch)
-    kernel = Kernel(variant, device_id, grid, params, d, dv)
+    kernel = Kernel(variant, device_id, forward_grid(variant, -(-nq // variant.block_rows), num_batch, device_id),
+                    params, d, dv)
     kernel.lists = lists
 
     def fallback():
@@ -696,16 +700,12 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
             variant = dataclasses.replace(variant, tma=False)
     sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
     grid_x = varlen_grid_x(max_seqlen_q, total_q, variant.block_rows)
-    persistent = getattr(variant, "persistent", False)  # items (grid_x tiles, slice) walked by one CTA an SM
+    varlen_tiles = grid_x if getattr(variant, "persistent", False) else 0  # the x a persistent walk's items span
     params = [_words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs,
-                                    grid_x if persistent else 0))]
+                                    varlen_tiles))]
     if isinstance(variant, _variants.HopperForward):
         params.append(maps.block if maps is not None else _words(bytes(_tma.PARAM_BYTES)))
-    if persistent:
-        grid = (min(grid_x * heads * num_seqs, sm_count(device_id)), 1, 1)
-    else:
-        grid = slice_grid(grid_x, heads * num_seqs)
-    kernel = Kernel(variant, device_id, grid, params, d, dv)
+    kernel = Kernel(variant, device_id, forward_grid(variant, grid_x, heads * num_seqs, device_id), params, d, dv)
 
     def fallback():
         return _varlen_forward_signature_plan(*qkv, dtype, device_id, causal, scale, window, num_seqs, max_seqlen_q,

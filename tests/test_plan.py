@@ -156,7 +156,7 @@ def test_packed_batches_take_the_persistent_grid_where_it_was_measured(fake_gpu,
     (launch,) = fake_gpu.launches
     tiles = -(-longest // 128)
     assert plan.kernel.variant.varlen and plan.kernel.variant.persistent == persistent
-    assert (d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS and tiles <= 8) == persistent
+    assert (d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS and tiles <= _tiles.SM90_FORWARD_TILES[d][-1]) == persistent
     words = struct.unpack(_params.FWD_PARAM_FORMAT, ctypes.string_at(plan.kernel.argv[0],
                                                                       struct.calcsize(_params.FWD_PARAM_FORMAT)))
     assert words[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] == (0x7000, 0x8000)
