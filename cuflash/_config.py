@@ -371,9 +371,19 @@ def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, paged: boo
     return -(-key_tiles // per_split), per_split  # none left without a tile
 
 
+# The merge's warps a CTA (one CTA a row): with fewer rows than SMs (batch 1, or MQA at small
+# batches) each row's splits are read by this many warps, otherwise by the fewest.
+DECODE_COMBINE_WARPS = (4, 16)  # (many rows, fewer rows than SMs)
+
+
+def decode_combine_config(dtype: str, total_rows: int, sm_count: int) -> DecodeCombine:
+    """The merge of a split decoding call's ``total_rows`` rows (batch x Hq x queries)."""
+    return DecodeCombine(dtype, DECODE_COMBINE_WARPS[total_rows < sm_count])
+
+
 def all_decode_variants():
     """Every decoding kernel the dispatcher can launch (the same on every architecture)."""
-    variants = [DecodeCombine(dtype) for dtype in _constants.TENSOR_CORE_DTYPES]
+    variants = [DecodeCombine(dtype, warps) for dtype in _constants.TENSOR_CORE_DTYPES for warps in DECODE_COMBINE_WARPS]
     for dtype in _constants.TENSOR_CORE_DTYPES:
         for hd in _tiles.DECODE_HEAD_DIM_BUCKETS:
             for paged in (False, True):

@@ -266,7 +266,8 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         window_left=window_left, window_right=window_right,
     )
     return DecodePlan(
-        variant=variant, combine=_variants.DecodeCombine(dtype) if splits > 1 else None, num_splits=splits,
+        variant=variant, num_splits=splits,
+        combine=_config.decode_combine_config(dtype, num_bh * rows, sm_count) if splits > 1 else None,
         tiles_per_split=tiles_per_split, row_tiles=row_tiles, batch=batch, kv_heads=layout["kv_heads"],
         group=layout["group"], nq=layout["nq"], capacity=capacity, d=layout["d"], dv=layout["dv"],
         out_shape=tuple(q.shape[:-1]) + (layout["dv"],), fields=fields,

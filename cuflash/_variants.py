@@ -472,7 +472,7 @@ class SplitKvDecode(_Launch):
 @dataclasses.dataclass(frozen=True)
 class DecodeCombine(_Launch):
     """The merge of the splits' partial results (``flash_decode_combine_kernel``): one CTA a row,
-    its warps taking the splits in turn."""
+    its warps taking the splits in turn (cuflash/_config.py: decode_combine_config)."""
 
     dtype: str
     warps: int = 4
@@ -506,6 +506,7 @@ def kernel_defines() -> dict:
         "CUFLASH_TILE_MAJOR_VARLEN_BACKWARD_TILES": _constants.TILE_MAJOR_VARLEN_BACKWARD_TILES,
         "CUFLASH_DECODE_ROWS": _constants.DECODE_ROW_TILE,
         "CUFLASH_DECODE_PAGE_GROUP": _constants.DECODE_PAGE_GROUP,
+        "CUFLASH_MAX_DECODE_SPLITS": _constants.MAX_DECODE_SPLITS,
         "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_params.FWD_PARAM_FORMAT),
         "CUFLASH_FWD_POINTER_WORDS": _params.pointer_words(_params.FWD_PARAM_FORMAT),
         "CUFLASH_CU_SEQLENS_WORD": _params.CU_SEQLENS_WORD,

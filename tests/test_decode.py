@@ -237,7 +237,10 @@ def test_paged_caches_take_more_ctas_an_sm():
 def test_long_single_sequence_is_spread_over_every_sm():
     p = plan(arr((1, 32, 1, 128)), arr((1, 8, 131072, 128)), sm_count=132)
     assert p.num_bh * p.grid_x >= 0.9 * 132 and p.num_splits == 15  # 8 CTAs a split
-    assert p.combine == _variants.DecodeCombine("bfloat16")
+    # 32 rows (1 x 32 heads x 1 query) on 132 SMs: the merge's CTAs take the many-warp form
+    assert p.combine == _variants.DecodeCombine("bfloat16", _config.DECODE_COMBINE_WARPS[1])
+    many = plan(arr((8, 32, 1, 128)), arr((8, 8, 32768, 128)), sm_count=132)
+    assert many.combine == _variants.DecodeCombine("bfloat16", _config.DECODE_COMBINE_WARPS[0])  # 256 rows
 
 
 def test_forced_splits_are_taken_as_given():
