@@ -72,6 +72,13 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
 #pragma unroll 1
     for (i64 first = ((i64)blockIdx.x * NWARPS + warp) * per_warp; first < n_rows; first += step) {  // warp-uniform
         const i64 row = first + sub;
+        // The row's l and m are read before the dot product, not after its shuffles: their
+        // latency then overlaps dO's and O's instead of following it.
+        float l = 0.f, m = 0.f;
+        if (col == 0 && row < nq) {
+            l = b.l[g.rows + row];
+            m = b.m[g.rows + row];
+        }
         if (b.zero_dq_acc && row < nq) {  // instead of a memset: the key passes add into these rows
             float4* dq = reinterpret_cast<float4*>(b.dq_acc + (g.rows + row) * p.d);
             for (int c = col; c < (int)p.d / 4; c += width) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -89,7 +96,6 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
         for (int o = width / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (col == 0 && row < n_rows) {
             const i64 stat = g.stats + row;
-            const float l = row < nq ? b.l[g.rows + row] : 0.f, m = row < nq ? b.m[g.rows + row] : 0.f;
             b.delta[stat] = acc;
             // A row that saw no key (l = 0), or a padded one, must give P = 0 everywhere: m = +inf.
             b.lse2[2 * stat] = l > 0.f ? m : pos_inf();
