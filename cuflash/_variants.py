@@ -455,11 +455,11 @@ class SplitKvDecode(_Launch):
         return _constants.DECODE_ROW_TILE * self.row_warps
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
-        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, padded rows) and the page slots
-        of the stages plus one (int32)."""
-        pitch = self.head_dim + _constants.SMEM_PAD
-        tiles = 2 * (self.block_rows * pitch + 2 * self.stages * self.block_cols * pitch)
-        return tiles + 4 * (self.stages + 1) * (self.block_cols // _constants.DECODE_PAGE_GROUP)
+        """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, unpadded swizzled rows), the page
+        slots of the stages plus one (int32), and a row's bytes of slack for aligning the start."""
+        row_bytes = 2 * self.head_dim
+        tiles = row_bytes * (self.block_rows + 2 * self.stages * self.block_cols)
+        return tiles + 4 * (self.stages + 1) * (self.block_cols // _constants.DECODE_PAGE_GROUP) + row_bytes
 
     key_prefix = "decode"
 

@@ -20,6 +20,12 @@
 //     warp and four key warps: every warp has work, and no mma row is wasted twice.
 //   - Tiles stream through STAGES cp.async buffers: STAGES - 1 tiles in flight while one is
 //     computed. Every thread issues BC * HD / (8 * NT) 16-byte copies each of K and V a tile.
+//   - Q, K and V rows lie in shared memory unpadded, HD elements a row, the 16-byte chunk c of
+//     row r at chunk c ^ (r % 8), so the eight rows an ldmatrix phase reads hit eight different
+//     16-byte bank groups. Padded rows (HD + 8) did that too, but copies into rows that start
+//     off a 128-byte boundary make the L2 look up 1.5x the sectors: streaming the same 1 GB
+//     (H200, ncu; bench/NOTES.md, session 18) padded rows took 50.3 M lookups and 4.08 TB/s,
+//     swizzled ones 33.6 M (one a sector, as cuDNN's decode) and 4.40 TB/s.
 //
 // Sequence lengths are read from device memory (seqlens, clamped to [0, capacity]): the grid
 // is sized from the capacity, and a CTA whose keys all lie past its sequence's end writes the
@@ -36,7 +42,6 @@
 #include "common.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
-#include "tile_io.cuh"
 
 namespace cuflash {
 
@@ -109,16 +114,26 @@ CUFLASH_COMBINE_PARAM_WORDS
 static_assert(sizeof(DecodeCombineParams) == CUFLASH_COMBINE_PARAM_BYTES,
               "DecodeCombineParams against _params.COMBINE_PARAM_FIELDS");
 
+// Element offset of the 16-byte chunk holding columns [8c, 8c + 8) of row r in a tile of
+// HD-element rows, the chunk swizzled by r % 8 (within its 128 bytes).
+template <int HD>
+__device__ __forceinline__ int swizzled(int r, int c) {
+    static_assert(HD % 64 == 0, "rows of whole 128-byte blocks");
+    return r * HD + ((c ^ (r & 7)) << 3);
+}
+
 template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS>
 struct DecodeSmemLayout {
-    static constexpr int pitch = HD + kSmemPad;
-    static constexpr int q_elems = ROW_WARPS * kDecodeRows * pitch;
-    static constexpr int kv_elems = BC * pitch;  // one stage of K (or V)
+    static constexpr int q_elems = ROW_WARPS * kDecodeRows * HD;
+    static constexpr int kv_elems = BC * HD;  // one stage of K (or V)
     static constexpr int page_slots = STAGES + 1;  // one more than the stages: see the loop
     static constexpr int pages_per_tile = BC / kPageGroup;
     static constexpr int tile_bytes = 2 * (q_elems + 2 * STAGES * kv_elems);
     static constexpr int page_bytes = 4 * page_slots * pages_per_tile;
-    static constexpr int bytes = tile_bytes + page_bytes;
+    // The tiles start on a row boundary (HD * 2 bytes) for the ldmatrix addressing in the loop;
+    // the dynamic shared memory's start is rounded up to one, hence this slack.
+    static constexpr int row_bytes = HD * 2;
+    static constexpr int bytes = tile_bytes + page_bytes + row_bytes;
     // Once the loop is done, the K/V buffers hold each warp's O (float32) and then its m and l
     // per row, for the merge.
     static constexpr int o_pitch = HD + 4;
@@ -135,12 +150,14 @@ __device__ __forceinline__ int page_of(const DecodeParams& p, const int* table_r
     return (page >= 0 && page < p.num_pages) ? page : -1;
 }
 
-// Copies keys [k0, k0 + BC) of a paged cache into shared memory (pitch PITCH), the page of
-// each 16-key group from `pages`; keys past len or in a masked page are zero-filled, not read.
-template <int BC, int HD, int PITCH, int NT, typename T>
-__device__ __forceinline__ void load_paged_tile_async(T* smem, const T* cache, i64 page_stride, i64 row_stride,
-                                                      const int* pages, int k0, int len, i64 ncols,
-                                                      int page_mask, int tid) {
+// Copies keys [k0, k0 + BC) into a swizzled tile: of a dense cache, key j at cache + j *
+// row_stride; of a paged one, in page pages[group] (a 16-key group each) at row j % page_size.
+// Keys at or past len, columns at or past ncols and keys of a masked page (-1) are zero-filled,
+// not read.
+template <int BC, int HD, int NT, bool PAGED, typename T>
+__device__ __forceinline__ void load_kv_tile_async(T* smem, const T* cache, i64 page_stride, i64 row_stride,
+                                                   const int* pages, int k0, int len, i64 ncols, int page_mask,
+                                                   int tid) {
     constexpr int CHUNKS = HD / 8;
     constexpr int TOTAL = BC * CHUNKS;
     static_assert(TOTAL % NT == 0, "whole copies a thread");
@@ -149,10 +166,15 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* cache, i
         const int i = tid + it * NT;
         const int r = i / CHUNKS, c = i % CHUNKS;
         const int j = k0 + r;
-        const int page = pages[r / kPageGroup];
-        const bool valid = j < len && page >= 0 && c * 8 < ncols;
-        const T* src = valid ? cache + page * page_stride + (j & page_mask) * row_stride + c * 8 : cache;
-        cp_async_16(smem_addr(smem + r * PITCH + c * 8), src, valid);
+        bool valid = j < len && c * 8 < ncols;
+        i64 row = (i64)j * row_stride;
+        if constexpr (PAGED) {
+            const int page = pages[r / kPageGroup];
+            valid = valid && page >= 0;
+            row = page * page_stride + (j & page_mask) * row_stride;
+        }
+        const T* src = valid ? cache + row + c * 8 : cache;
+        cp_async_16(smem_addr(smem + swizzled<HD>(r, c)), src, valid);
     }
 }
 
@@ -172,10 +194,12 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
-    T* sQ = reinterpret_cast<T*>(smem_raw);
+    constexpr u32 ROW_BYTES = L::row_bytes;
+    unsigned char* smem = smem_raw + (ROW_BYTES - smem_addr(smem_raw) % ROW_BYTES) % ROW_BYTES;
+    T* sQ = reinterpret_cast<T*>(smem);
     T* sK = sQ + L::q_elems;
     T* sV = sK + STAGES * L::kv_elems;
-    int* sPage = reinterpret_cast<int*>(smem_raw + L::tile_bytes);  // [page_slots][pages_per_tile]
+    int* sPage = reinterpret_cast<int*>(smem + L::tile_bytes);  // [page_slots][pages_per_tile]
     float* sO = reinterpret_cast<float*>(sK);  // after the loop: [NWARPS][16][o_pitch]
     float* sStatM = sO + L::o_bytes / 4;      // after the loop: [NWARPS][16]
     float* sStatL = sStatM + NWARPS * kDecodeRows;
@@ -231,16 +255,11 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     auto load_tile = [&](int u) {
         const int stage = u % STAGES;
         const int k0 = (tile_first + u) * BC;
-        if constexpr (PAGED) {
-            const int* pages = sPage + (u % L::page_slots) * L::pages_per_tile;
-            load_paged_tile_async<BC, HD, L::pitch, NT>(sK + stage * L::kv_elems, gK, p.k_batch_stride,
-                                                        p.k_row_stride, pages, k0, ilen, p.d, page_mask, tid);
-            load_paged_tile_async<BC, HD, L::pitch, NT>(sV + stage * L::kv_elems, gV, p.v_batch_stride,
-                                                        p.v_row_stride, pages, k0, ilen, p.dv, page_mask, tid);
-        } else {
-            load_tile_async<BC, HD, L::pitch, NT>(sK + stage * L::kv_elems, gK, p.k_row_stride, k0, len, p.d, tid);
-            load_tile_async<BC, HD, L::pitch, NT>(sV + stage * L::kv_elems, gV, p.v_row_stride, k0, len, p.dv, tid);
-        }
+        const int* pages = PAGED ? sPage + (u % L::page_slots) * L::pages_per_tile : nullptr;
+        load_kv_tile_async<BC, HD, NT, PAGED>(sK + stage * L::kv_elems, gK, p.k_batch_stride, p.k_row_stride, pages,
+                                              k0, ilen, p.d, page_mask, tid);
+        load_kv_tile_async<BC, HD, NT, PAGED>(sV + stage * L::kv_elems, gV, p.v_batch_stride, p.v_row_stride, pages,
+                                              k0, ilen, p.dv, page_mask, tid);
     };
     // The page-table entry thread tid (< pages_per_tile) fetches for tile u, or -1.
     auto fetch_page = [&](int u) {
@@ -265,7 +284,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             const bool valid = R < rows && c * 8 < p.d;
             const int g = R / nq, qi = R % nq;
             const T* src = valid ? gQ + (head_kv * p.group + g) * p.q_head_stride + qi * p.q_row_stride + c * 8 : gQ;
-            cp_async_16(smem_addr(sQ + r * L::pitch + c * 8), src, valid);
+            cp_async_16(smem_addr(sQ + swizzled<HD>(r, c)), src, valid);
         }
         if constexpr (PAGED) {
             if (tid < L::pages_per_tile)
@@ -278,6 +297,15 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
     }
 
+    // ldmatrix addresses. A lane reads row r at 16-column step j, i.e. chunk 2j + h (h: which
+    // half of the 16 columns the lane's matrix holds), stored at chunk (2j + h) ^ (r % 8) =
+    // ((h ^ r % 8) ^ 2j): the lane's address for step 0 XOR 32j, as every row starts on a
+    // ROW_BYTES boundary and 32j stays inside the row. The XOR is one instruction on the
+    // running address (offsets held a step each cost registers). Rows r % 8 = lane % 8 in all three.
+    const int lane_swizzle = lane % 8;
+    const u32 q_lane = smem_addr(sQ) + (warp_row0 + lane % 16) * ROW_BYTES + (((lane / 16) ^ lane_swizzle) << 4);
+    const u32 k_lane = (warp_key * KW + lane % 8 + (lane / 16) * 8) * ROW_BYTES + ((((lane / 8) % 2) ^ lane_swizzle) << 4);
+    const u32 v_lane = (warp_key * KW + lane % 8 + ((lane / 8) % 2) * 8) * ROW_BYTES + (((lane / 16) ^ lane_swizzle) << 4);
     const int my_col = 2 * (lane % 4);
     for (int t = 0; t < n_tiles; ++t) {
         // Tile t has landed, and every warp is done with tile t - 1, whose buffers are refilled.
@@ -291,8 +319,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (PAGED && tid < L::pages_per_tile) next_page = fetch_page(t + STAGES);
 
         const int stage = t % STAGES;
-        const T* cK = sK + stage * L::kv_elems + warp_key * KW * L::pitch;  // this warp's keys
-        const T* cV = sV + stage * L::kv_elems + warp_key * KW * L::pitch;
+        const u32 cK = smem_addr(sK + stage * L::kv_elems) + k_lane;  // this lane's row of the warp's keys
+        const u32 cV = smem_addr(sV + stage * L::kv_elems) + v_lane;
         const int kw0 = (tile_first + t) * BC + warp_key * KW;
 
         // -- S = Q K^T over this warp's KW keys (raw scores, fp32) --
@@ -304,12 +332,11 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[4];
-            ldmatrix_x4(a, smem_addr(sQ + (warp_row0 + lane % 16) * L::pitch + kk * 16 + (lane / 16) * 8));
+            ldmatrix_x4(a, q_lane ^ (kk << 5));
 #pragma unroll
             for (int nn = 0; nn < KW / 16; ++nn) {
                 u32 b[4];
-                ldmatrix_x4(b, smem_addr(cK + (nn * 16 + lane % 8 + (lane / 16) * 8) * L::pitch +
-                                         kk * 16 + ((lane / 8) % 2) * 8));
+                ldmatrix_x4(b, (cK + nn * 16 * ROW_BYTES) ^ (kk << 5));
                 mma_16816<T>(acc_s[2 * nn], a, b[0], b[1]);
                 mma_16816<T>(acc_s[2 * nn + 1], a, b[2], b[3]);
             }
@@ -373,8 +400,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int nd = 0; nd < HD / 16; ++nd) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, smem_addr(cV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * L::pitch +
-                                               nd * 16 + (lane / 16) * 8));
+                ldmatrix_x4_trans(b, (cV + kk * 16 * ROW_BYTES) ^ (nd << 5));
                 mma_16816<T>(acc_o[2 * nd], p_frag[kk], b[0], b[1]);
                 mma_16816<T>(acc_o[2 * nd + 1], p_frag[kk], b[2], b[3]);
             }
