@@ -322,8 +322,21 @@ DECODE_SM_FILL = 0.9
 # against 30.9) and 1 left GQA at 0.56-0.62x the dense speed (session 9).
 DECODE_PAGED_CTAS_A_SM = 2
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
-# workspace and combine stay small next to the cache it streams.
+# workspace and combine stay small next to the cache it streams; where that leaves SMs idle
+# (short caches), DECODE_MIN_TILES_PER_SPLIT_SHORT.
 DECODE_MIN_TILES_PER_SPLIT = 4
+DECODE_MIN_TILES_PER_SPLIT_SHORT = 2
+# A dense cache whose splits (at one CTA an SM) come out shorter than this many key tiles aims at
+# two CTAs an SM instead: a second CTA hides a split's start and end (Q, the first tiles'
+# latency, the partial result's store) behind the other's stream. Swept on the H200
+# (bench/NOTES.md, session 18; CUDA-graph GPU time, num_splits 4-256): splits of 9 tiles
+# gain (GQA hd128 1 x 8192, 15 -> 32 splits, 14.2 -> 12.2 us, SDPA 10.9; MQA 8 x 8192 17.6 ->
+# 15.3, SDPA 15.9); from about 16 it is a wash (GQA 1 x 16384, 18 tiles: 24.0 -> 23.5; MQA
+# 1 x 131072, 17 tiles: 28.2 -> 29.1; 32+ tiles: GQA 4 x 8192 38.7 / 38.8). Splitting a call
+# that fits one split is left alone (it would add the merge). The shorter floor: MQA hd128 1 x
+# 8192 32 splits of 4 tiles 12.2 us, 64 of 2 10.8, 128 of 1 10.6; GQA 1 x 2048 8 of 4 9.8, 16
+# of 2 8.3, 32 of 1 8.8; paged caches gain from it too (MQA 1 x 8192 page 64 15.4 -> 12.6).
+DECODE_SHORT_SPLIT_TILES = 16
 
 
 def decode_head_dim_bucket(dim: int) -> int:
@@ -352,23 +365,37 @@ def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> Sp
     return SplitKvDecode(dtype, hd, *_tiles.DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
 
 
+def _fill_splits(ctas_per_split: int, key_tiles: int, target: float, min_tiles: int) -> typing.Tuple[int, int]:
+    """The fewest splits (and key tiles a split) that put ``target`` CTAs on the GPU, each
+    keeping at least ``min_tiles`` tiles (and at most MAX_DECODE_SPLITS splits)."""
+    most = max(1, min(_constants.MAX_DECODE_SPLITS, key_tiles // min_tiles))
+    per_split = -(-key_tiles // min(most, max(1, math.ceil(target / ctas_per_split))))
+    # Whole tiles a split can leave fewer splits than asked: shorten them until the target is
+    # met or the count reaches ``most``.
+    while (per_split > min_tiles and ctas_per_split * -(-key_tiles // per_split) < target
+           and -(-key_tiles // (per_split - 1)) <= most):
+        per_split -= 1
+    return -(-key_tiles // per_split), per_split  # none left without a tile
+
+
 def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, paged: bool = False) -> typing.Tuple[int, int]:
     """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
     is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles): the fewest splits that put a CTA
     (paged: DECODE_PAGED_CTAS_A_SM) on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at
-    least DECODE_MIN_TILES_PER_SPLIT tiles (and at most MAX_DECODE_SPLITS splits); short caches
-    take as many as those allow."""
+    least DECODE_MIN_TILES_PER_SPLIT tiles; two CTAs an SM for dense splits shorter than
+    DECODE_SHORT_SPLIT_TILES; DECODE_MIN_TILES_PER_SPLIT_SHORT tiles where the SMs are not
+    filled otherwise."""
     if key_tiles <= 0:
         return 1, 1
-    most = max(1, min(_constants.MAX_DECODE_SPLITS, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
-    target = DECODE_SM_FILL * sm_count * (DECODE_PAGED_CTAS_A_SM if paged else 1)
-    per_split = -(-key_tiles // min(most, max(1, math.ceil(target / ctas_per_split))))
-    # Whole tiles a split can leave fewer splits than asked: shorten them until the SMs are
-    # filled or the count reaches ``most``.
-    while (per_split > DECODE_MIN_TILES_PER_SPLIT and ctas_per_split * -(-key_tiles // per_split) < target
-           and -(-key_tiles // (per_split - 1)) <= most):
-        per_split -= 1
-    return -(-key_tiles // per_split), per_split  # none left without a tile
+    filled = DECODE_SM_FILL * sm_count
+    target = filled * (DECODE_PAGED_CTAS_A_SM if paged else 1)
+    splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT)
+    if not paged and splits > 1 and per_split < DECODE_SHORT_SPLIT_TILES:
+        target = 2 * filled
+        splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT)
+    if ctas_per_split * splits < filled:
+        splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT_SHORT)
+    return splits, per_split
 
 
 # The merge's warps a CTA (one CTA a row): with fewer rows than SMs (batch 1, or MQA at small

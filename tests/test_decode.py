@@ -203,17 +203,33 @@ def test_auto_splits_fill_the_sms_but_keep_tiles_per_split(batch, kv_len, heads)
     sms = 132
     p = plan(arr((batch, hq, nq, 128)), arr((batch, hk, kv_len, 128)), sm_count=sms)
     key_tiles = -(-kv_len // p.variant.block_cols)
-    assert 1 <= p.num_splits <= _constants.MAX_DECODE_SPLITS
-    assert (p.num_splits - 1) * p.tiles_per_split < key_tiles <= p.num_splits * p.tiles_per_split  # none empty
-    if p.num_splits > 1:
-        assert p.tiles_per_split >= _config.DECODE_MIN_TILES_PER_SPLIT
-    ctas_per_split = p.num_bh * p.row_tiles
-    most = min(_constants.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT)
-    if ctas_per_split * most >= _config.DECODE_SM_FILL * sms:  # reachable: the SMs are filled, by few splits
-        assert ctas_per_split * p.num_splits >= _config.DECODE_SM_FILL * sms
-        assert ctas_per_split * (p.num_splits - 1) < 1.1 * sms  # and not many more: long splits stream faster
-    elif p.num_splits > 1:  # out of reach: as many splits as the tiles allow
-        assert p.tiles_per_split == -(-key_tiles // most)
+    splits, per_split, ctas = p.num_splits, p.tiles_per_split, p.num_bh * p.row_tiles
+    filled = _config.DECODE_SM_FILL * sms
+    assert 1 <= splits <= _constants.MAX_DECODE_SPLITS
+    assert (splits - 1) * per_split < key_tiles <= splits * per_split  # none empty
+    if splits > 1:
+        assert per_split >= _config.DECODE_MIN_TILES_PER_SPLIT_SHORT
+        if per_split < _config.DECODE_MIN_TILES_PER_SPLIT:  # only where longer splits leave SMs idle
+            assert ctas * min(_constants.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT) < filled
+        # Not many more CTAs than the target: one an SM, or two for short splits.
+        a_sm = 2 if per_split < _config.DECODE_SHORT_SPLIT_TILES else 1
+        assert ctas * (splits - 1) < a_sm * 1.1 * sms
+    # The most splits of whole tiles, none empty and none under the short floor:
+    most = max(1, min(_constants.MAX_DECODE_SPLITS, key_tiles // _config.DECODE_MIN_TILES_PER_SPLIT_SHORT))
+    shortest = -(-key_tiles // most)
+    if ctas * -(-key_tiles // shortest) >= filled:  # the SMs are filled where the tiles allow
+        assert ctas * splits >= filled
+    else:  # out of reach: as many splits as the tiles allow
+        assert per_split == shortest
+
+
+def test_short_dense_splits_take_two_ctas_an_sm():
+    """One sequence of 8192 keys over 8 k/v heads: 15 splits of 9 tiles at one CTA an SM, so 32
+    of 4 (256 CTAs); 16384 keys (18 tiles a split) stay at one an SM; a call that fits one
+    split is not split for it."""
+    assert plan(arr((1, 32, 1, 128)), arr((1, 8, 8192, 128)), sm_count=132).num_splits == 32
+    assert plan(arr((1, 32, 1, 128)), arr((1, 8, 16384, 128)), sm_count=132).num_splits == 15
+    assert plan(arr((128, 32, 1, 128)), arr((128, 1, 1024, 128)), sm_count=132).num_splits == 1
 
 
 def test_large_batches_take_one_split():
