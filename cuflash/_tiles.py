@@ -126,10 +126,14 @@ DECODE_HEAD_DIM_BUCKETS = (64, 128)
 # S at 32 or 24 registers. One row warp at head dim 64 takes eight warps of 16 keys each (128
 # keys, 113 KB, two CTAs an SM). Measured on the H200 (bench/NOTES.md, session 11; GQA 32/8,
 # one query, batch 1-128, 1k-128k keys): of 9 forms at head dim 128 and 8 at 64 (16-256 keys,
-# 1-8 warps, 2-8 stages), these stream fastest; none passes ~4.2 TB/s at large batches, so the
-# bytes in flight (72-160 KB an SM among them) are not what holds the kernel there.
+# 1-8 warps, 2-8 stages), these stream fastest; none passed ~4.2 TB/s at large batches then,
+# which was the padded shared-memory rows (session 18: swizzled, GQA reaches SDPA's ~4.4).
+# Two row warps at head dim 64 (MQA) take eight warps (session 18, CUDA-graph GPU time, MQA
+# 32/1: 128 x 8192 75.1 -> 66.4 us, 8 x 32768 29.4 -> 26.4, 128 x 1024 12.9 -> 11.7 against four);
+# at head dim 128 eight warps of 128 keys (205 KB, one CTA an SM) gained 5% at 128 x 8192 but
+# lost 17% at 1 x 131072 (29.0 -> 34.1 us), so four stay.
 DECODE_TILES = {
-    (64, 1): (128, 8, 3), (64, 2): (128, 4, 3), (64, 4): (64, 4, 3),
+    (64, 1): (128, 8, 3), (64, 2): (128, 8, 3), (64, 4): (64, 4, 3),
     (128, 1): (64, 4, 3), (128, 2): (64, 4, 3), (128, 4): (48, 4, 3),
 }
 
