@@ -120,11 +120,11 @@ DECODE_HEAD_DIM_BUCKETS = (64, 128)
 
 # (block_cols, warps, stages) per (head-dim bucket, row warps). Three stages, so two tiles are
 # in flight a CTA while one is computed. A stage of K and V is 32 KB at head dim 128 (64 keys,
-# four warps): 113 KB a CTA lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved
+# four warps): 103 KB a CTA lets two CTAs share an H100/H200 SM (228 KB, 1 KB of it reserved
 # a CTA) and one an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole
-# tile's S: smaller tiles there (64 and 48 keys: 18 and 26 KB a stage) keep two CTAs an SM and
+# tile's S: smaller tiles there (64 and 48 keys: 16 and 24 KB a stage) keep two CTAs an SM and
 # S at 32 or 24 registers. One row warp at head dim 64 takes eight warps of 16 keys each (128
-# keys, 113 KB, two CTAs an SM). Measured on the H200 (bench/NOTES.md, session 11; GQA 32/8,
+# keys, 101 KB, two CTAs an SM). Measured on the H200 (bench/NOTES.md, session 11; GQA 32/8,
 # one query, batch 1-128, 1k-128k keys): of 9 forms at head dim 128 and 8 at 64 (16-256 keys,
 # 1-8 warps, 2-8 stages), these stream fastest; none passed ~4.2 TB/s at large batches then,
 # which was the padded shared-memory rows (session 18: swizzled, GQA reaches SDPA's ~4.4).
