@@ -319,7 +319,10 @@ DECODE_SM_FILL = 0.9
 # Swept on the H200 (bench/NOTES.md, session 15; CUDA graphs, num_splits 1-128, page 64, 17
 # GQA and MQA shapes): 2 an SM is at or within 3% of the fastest split count at every shape
 # where 4 lost up to 25% (GQA 8 x 32768 hd128 307.8 against 267.0 us; MQA 8 x 32768 hd64 39.4
-# against 30.9) and 1 left GQA at 0.56-0.62x the dense speed (session 9).
+# against 30.9) and 1 left GQA at 0.56-0.62x the dense speed (session 9). Where one split
+# already fills the SMs and two would be shorter than DECODE_SHORT_SPLIT_TILES, one it is: the
+# merge costs more than the second CTA gains (session 19, MQA 128 x 1024, page 64: hd64 18.3 ->
+# 13.0 us, hd128 31.6 -> 24.7; at 128 x 8192 two splits stay, hd64 75.4 against 80.2 at one).
 DECODE_PAGED_CTAS_A_SM = 2
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams; where that leaves SMs idle
@@ -383,8 +386,8 @@ def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, paged: boo
     is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles): the fewest splits that put a CTA
     (paged: DECODE_PAGED_CTAS_A_SM) on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at
     least DECODE_MIN_TILES_PER_SPLIT tiles; two CTAs an SM for dense splits shorter than
-    DECODE_SHORT_SPLIT_TILES; DECODE_MIN_TILES_PER_SPLIT_SHORT tiles where the SMs are not
-    filled otherwise."""
+    DECODE_SHORT_SPLIT_TILES, and no paged splits that short where one split fills the SMs;
+    DECODE_MIN_TILES_PER_SPLIT_SHORT tiles where the SMs are not filled otherwise."""
     if key_tiles <= 0:
         return 1, 1
     filled = DECODE_SM_FILL * sm_count
@@ -393,6 +396,8 @@ def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, paged: boo
     if not paged and splits > 1 and per_split < DECODE_SHORT_SPLIT_TILES:
         target = 2 * filled
         splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT)
+    if paged and splits > 1 and ctas_per_split >= filled and per_split < DECODE_SHORT_SPLIT_TILES:
+        return 1, key_tiles  # one split fills the SMs, and short splits would not pay for the merge
     if ctas_per_split * splits < filled:
         splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT_SHORT)
     return splits, per_split

@@ -201,6 +201,11 @@ def _plan_layout(q, k, v, page_table):
         num_pages, _, page_size, _ = k.shape
         if page_size not in _constants.DECODE_PAGE_SIZES:
             raise ValueError(f"page size (k.shape[2]) must be one of {_constants.DECODE_PAGE_SIZES}, got k {_shape_text(k)}")
+        for name, x in (("k", k), ("v", v)):
+            # The kernel steps through a 16-key group of a page by 32-bit byte offsets.
+            if abs(strides[name][2]) * x.dtype.itemsize * _constants.DECODE_PAGE_GROUP >= 2 ** 31:
+                raise ValueError(f"{name}'s rows must lie less than {2 ** 31 // _constants.DECODE_PAGE_GROUP} "
+                                 f"bytes apart in a paged cache, got {_shape_text(x)} with strides {x.strides}")
         layout.update(num_pages=num_pages, page_size=page_size,
                       k_strides=strides["k"][:3], v_strides=strides["v"][:3])
     else:

@@ -456,10 +456,12 @@ class SplitKvDecode(_Launch):
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, unpadded swizzled rows), the page
-        slots of the stages plus one (int32), and a row's bytes of slack for aligning the start."""
+        slots of the stages plus one (paged: two pointers a key group, the first rows of K and V;
+        dense: 4 bytes a group, unused), and a row's bytes of slack for aligning the start."""
         row_bytes = 2 * self.head_dim
         tiles = row_bytes * (self.block_rows + 2 * self.stages * self.block_cols)
-        return tiles + 4 * (self.stages + 1) * (self.block_cols // _constants.DECODE_PAGE_GROUP) + row_bytes
+        slot_bytes = (16 if self.paged else 4) * (self.block_cols // _constants.DECODE_PAGE_GROUP)
+        return tiles + (self.stages + 1) * slot_bytes + row_bytes
 
     key_prefix = "decode"
 

@@ -35,8 +35,10 @@
 // Paged caches: key j of sequence b lives in page page_table[b][j / page_size], row
 // j % page_size. A page index outside [0, num_pages) is never dereferenced: the keys of that
 // page are masked (they take no part, as if past the sequence's end), so a bad table entry
-// cannot read out of bounds. Page indices of a tile go to shared memory one iteration before
-// its copies are issued, so the page-table read latency is off the copy path.
+// cannot read out of bounds. Each 16-key group's page is looked up once, one iteration before
+// its copies are issued (so the page-table read latency is off the copy path), and turned into
+// the address of the group's first row of K and of V in shared memory; a copy adds its row's
+// offset within the group (32-bit: the host keeps 16 rows of a page under 2 GB) to that.
 //
 // Every tile size is a template argument chosen by cuflash/_config.py (SplitKvDecode).
 #include "common.cuh"
@@ -122,14 +124,16 @@ __device__ __forceinline__ int swizzled(int r, int c) {
     return r * HD + ((c ^ (r & 7)) << 3);
 }
 
-template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS>
+template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS, bool PAGED>
 struct DecodeSmemLayout {
     static constexpr int q_elems = ROW_WARPS * kDecodeRows * HD;
     static constexpr int kv_elems = BC * HD;  // one stage of K (or V)
     static constexpr int page_slots = STAGES + 1;  // one more than the stages: see the loop
     static constexpr int pages_per_tile = BC / kPageGroup;
     static constexpr int tile_bytes = 2 * (q_elems + 2 * STAGES * kv_elems);
-    static constexpr int page_bytes = 4 * page_slots * pages_per_tile;
+    // Paged: a slot holds each group's first row of K and of V (two pointers); dense caches
+    // keep the 4 bytes a group they have always reserved.
+    static constexpr int page_bytes = (PAGED ? 16 : 4) * page_slots * pages_per_tile;
     // The tiles start on a row boundary (HD * 2 bytes) for the ldmatrix addressing in the loop;
     // the dynamic shared memory's start is rounded up to one, hence this slack.
     static constexpr int row_bytes = HD * 2;
@@ -150,14 +154,11 @@ __device__ __forceinline__ int page_of(const DecodeParams& p, const int* table_r
     return (page >= 0 && page < p.num_pages) ? page : -1;
 }
 
-// Copies keys [k0, k0 + BC) into a swizzled tile: of a dense cache, key j at cache + j *
-// row_stride; of a paged one, in page pages[group] (a 16-key group each) at row j % page_size.
-// Keys at or past len, columns at or past ncols and keys of a masked page (-1) are zero-filled,
-// not read.
-template <int BC, int HD, int NT, bool PAGED, typename T>
-__device__ __forceinline__ void load_kv_tile_async(T* smem, const T* cache, i64 page_stride, i64 row_stride,
-                                                   const int* pages, int k0, int len, i64 ncols, int page_mask,
-                                                   int tid) {
+// Copies keys [k0, k0 + BC) of a dense cache, key j at cache + j * row_stride, into a swizzled
+// tile. Keys at or past len and columns at or past ncols are zero-filled, not read.
+template <int BC, int HD, int NT, typename T>
+__device__ __forceinline__ void load_kv_tile_async(T* smem, const T* cache, i64 row_stride, int k0, int len,
+                                                   i64 ncols, int tid) {
     constexpr int CHUNKS = HD / 8;
     constexpr int TOTAL = BC * CHUNKS;
     static_assert(TOTAL % NT == 0, "whole copies a thread");
@@ -166,15 +167,46 @@ __device__ __forceinline__ void load_kv_tile_async(T* smem, const T* cache, i64 
         const int i = tid + it * NT;
         const int r = i / CHUNKS, c = i % CHUNKS;
         const int j = k0 + r;
-        bool valid = j < len && c * 8 < ncols;
-        i64 row = (i64)j * row_stride;
-        if constexpr (PAGED) {
-            const int page = pages[r / kPageGroup];
-            valid = valid && page >= 0;
-            row = page * page_stride + (j & page_mask) * row_stride;
-        }
+        const bool valid = j < len && c * 8 < ncols;
+        const i64 row = (i64)j * row_stride;
         const T* src = valid ? cache + row + c * 8 : cache;
         cp_async_16(smem_addr(smem + swizzled<HD>(r, c)), src, valid);
+    }
+}
+
+// The same from a paged cache: group_rows[g] is the first row of keys [k0 + 16 g, k0 + 16 g +
+// 16) (one page holds them), or null where the group is masked; rows lie row_bytes apart. A
+// thread copies chunk c of rows r_lo + it * RSTEP, so its group, its row within the group and
+// its swizzled place in the tile follow from it at compile time: a copy costs its group's
+// address plus a 32-bit offset.
+template <int BC, int HD, int NT, typename T>
+__device__ __forceinline__ void load_paged_tile_async(T* smem, const T* const* group_rows, const T* fallback,
+                                                      int row_bytes, int k0, int len, i64 ncols, int tid) {
+    constexpr int CHUNKS = HD / 8;
+    constexpr int RSTEP = NT / CHUNKS;  // rows between a thread's copies
+    static_assert(NT % CHUNKS == 0 && BC % RSTEP == 0, "whole rows a pass, whole passes a tile");
+    static_assert(RSTEP % kPageGroup == 0 || kPageGroup % RSTEP == 0, "a thread's rows keep their place in a group");
+    static_assert(RSTEP % 8 == 0, "a thread's rows keep their swizzle");
+    const int r_lo = tid / CHUNKS, c = tid % CHUNKS;
+    const bool cols_ok = c * 8 < ncols;
+    const u32 dst = smem_addr(smem + swizzled<HD>(r_lo, c));
+    const int offset = (RSTEP % kPageGroup == 0 ? r_lo % kPageGroup : r_lo) * row_bytes + c * 16;
+    // The thread's groups' addresses first: shared-memory reads between the copies cost each
+    // copy three issue slots of padding.
+    constexpr int GROUPS = RSTEP % kPageGroup == 0 ? BC / RSTEP : BC / kPageGroup;
+    const char* bases[GROUPS];
+#pragma unroll
+    for (int i = 0; i < GROUPS; ++i)
+        bases[i] = reinterpret_cast<const char*>(group_rows[RSTEP % kPageGroup == 0 ? r_lo / kPageGroup + i * (RSTEP / kPageGroup) : i]);
+#pragma unroll
+    for (int it = 0; it < BC / RSTEP; ++it) {
+        // the row's group (of the thread's), and how far past the thread's first row in a group it lies
+        const int g = RSTEP % kPageGroup == 0 ? it : it * RSTEP / kPageGroup;
+        const int w = RSTEP % kPageGroup == 0 ? 0 : it * RSTEP % kPageGroup;
+        const char* base = bases[g];
+        const bool valid = base != nullptr && k0 + r_lo + it * RSTEP < len && cols_ok;
+        const void* src = valid ? static_cast<const void*>(base + (offset + w * row_bytes)) : fallback;
+        cp_async_16(dst + it * RSTEP * HD * (int)sizeof(T), src, valid);
     }
 }
 
@@ -189,7 +221,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     static_assert(KW % 16 == 0 && KW * KEY_WARPS == BC, "each warp takes whole 16-key mma steps");
     static_assert(KW % kPageGroup == 0, "each warp takes whole page groups (one page look-up each)");
     static_assert(HD % 16 == 0 && STAGES >= 2, "mma tiles are 16 wide; at least double buffering");
-    using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS>;
+    using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS, PAGED>;
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against SplitKvDecode.smem_bytes");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -199,7 +231,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     T* sQ = reinterpret_cast<T*>(smem);
     T* sK = sQ + L::q_elems;
     T* sV = sK + STAGES * L::kv_elems;
-    int* sPage = reinterpret_cast<int*>(smem + L::tile_bytes);  // [page_slots][pages_per_tile]
+    // Paged: [page_slots][pages_per_tile] first rows of each group of K, then of V.
+    const T** sKRows = reinterpret_cast<const T**>(smem + L::tile_bytes);
+    const T** sVRows = sKRows + L::page_slots * L::pages_per_tile;
     float* sO = reinterpret_cast<float*>(sK);  // after the loop: [NWARPS][16][o_pitch]
     float* sStatM = sO + L::o_bytes / 4;      // after the loop: [NWARPS][16]
     float* sStatL = sStatM + NWARPS * kDecodeRows;
@@ -250,20 +284,33 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int* table_row = PAGED ? p.page_table + batch * p.max_pages : nullptr;
     const int page_mask = (1 << p.page_shift) - 1;
     const int ilen = (int)len;
+    const int k_row_bytes = (int)(p.k_row_stride * (i64)sizeof(T)), v_row_bytes = (int)(p.v_row_stride * (i64)sizeof(T));
 
-    // Stage u's copies: K and V of key tile tile_first + u (paged: pages from slot u % page_slots).
+    // Stage u's copies: K and V of key tile tile_first + u (paged: rows from slot u % page_slots).
     auto load_tile = [&](int u) {
         const int stage = u % STAGES;
         const int k0 = (tile_first + u) * BC;
-        const int* pages = PAGED ? sPage + (u % L::page_slots) * L::pages_per_tile : nullptr;
-        load_kv_tile_async<BC, HD, NT, PAGED>(sK + stage * L::kv_elems, gK, p.k_batch_stride, p.k_row_stride, pages,
-                                              k0, ilen, p.d, page_mask, tid);
-        load_kv_tile_async<BC, HD, NT, PAGED>(sV + stage * L::kv_elems, gV, p.v_batch_stride, p.v_row_stride, pages,
-                                              k0, ilen, p.dv, page_mask, tid);
+        if constexpr (PAGED) {
+            const int slot = (u % L::page_slots) * L::pages_per_tile;
+            load_paged_tile_async<BC, HD, NT>(sK + stage * L::kv_elems, sKRows + slot, gK, k_row_bytes, k0,
+                                              ilen, p.d, tid);
+            load_paged_tile_async<BC, HD, NT>(sV + stage * L::kv_elems, sVRows + slot, gV, v_row_bytes, k0,
+                                              ilen, p.dv, tid);
+        } else {
+            load_kv_tile_async<BC, HD, NT>(sK + stage * L::kv_elems, gK, p.k_row_stride, k0, ilen, p.d, tid);
+            load_kv_tile_async<BC, HD, NT>(sV + stage * L::kv_elems, gV, p.v_row_stride, k0, ilen, p.dv, tid);
+        }
     };
-    // The page-table entry thread tid (< pages_per_tile) fetches for tile u, or -1.
+    // The page-table entry thread tid (< pages_per_tile) fetches for tile u, or -1 ...
     auto fetch_page = [&](int u) {
         return u < n_tiles ? page_of(p, table_row, (tile_first + u) * BC + tid * kPageGroup, ilen) : -1;
+    };
+    // ... and the first rows of its group of K and V in that page, stored into slot u % page_slots.
+    auto store_group_rows = [&](int u, int page) {
+        const int at = (u % L::page_slots) * L::pages_per_tile + tid;
+        const i64 row = ((tile_first + u) * BC + tid * kPageGroup) & page_mask;
+        sKRows[at] = page < 0 ? nullptr : gK + page * p.k_batch_stride + row * p.k_row_stride;
+        sVRows[at] = page < 0 ? nullptr : gV + page * p.v_batch_stride + row * p.v_row_stride;
     };
 
     const float scale_log2 = (float)p.scale_log2;
@@ -288,7 +335,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
         if constexpr (PAGED) {
             if (tid < L::pages_per_tile)
-                for (int u = 0; u < STAGES; ++u) sPage[u * L::pages_per_tile + tid] = fetch_page(u);
+                for (int u = 0; u < STAGES; ++u) store_group_rows(u, fetch_page(u));
             __syncthreads();
         }
         for (int u = 0; u < STAGES - 1; ++u) {
@@ -344,10 +391,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
         // -- mask: keys outside a row's band or past the end, and (paged) masked pages --
         bool masked = kw0 < clean_first || kw0 + KW - 1 > clean_last;
-        const int* pages = sPage + (t % L::page_slots) * L::pages_per_tile + warp_key * KW / kPageGroup;
+        const T* const* group_rows = sKRows + (t % L::page_slots) * L::pages_per_tile + warp_key * KW / kPageGroup;
         if constexpr (PAGED) {
 #pragma unroll
-            for (int g = 0; g < KW / kPageGroup; ++g) masked |= pages[g] < 0;
+            for (int g = 0; g < KW / kPageGroup; ++g) masked |= group_rows[g] == nullptr;
         }
         if (masked) {
 #pragma unroll
@@ -356,7 +403,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 for (int e = 0; e < 4; ++e) {
                     const int kl = n * 8 + my_col + (e & 1), key = kw0 + kl, h = e / 2;
                     bool ok = key >= row_key_lo[h] && key <= row_key_hi[h];
-                    if constexpr (PAGED) ok = ok && pages[kl / kPageGroup] >= 0;
+                    if constexpr (PAGED) ok = ok && group_rows[kl / kPageGroup] != nullptr;
                     if (!ok) acc_s[n][e] = neg_inf();
                 }
         }
@@ -405,7 +452,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 mma_16816<T>(acc_o[2 * nd + 1], p_frag[kk], b[2], b[3]);
             }
 
-        if (PAGED && tid < L::pages_per_tile) sPage[((t + STAGES) % L::page_slots) * L::pages_per_tile + tid] = next_page;
+        if (PAGED && tid < L::pages_per_tile) store_group_rows(t + STAGES, next_page);
     }
 
     // -- merge the key warps' states: each warp's O rescaled to its row tile's common max and

@@ -150,6 +150,10 @@ def test_misaligned_views_are_refused():
     (dict(k=paged_cache(page_size=512)), r"must be one of"),
     (dict(k=arr((2, 40, 8, 64, 128))), r"k must have shape \(num_pages, Hk, page_size, head_dim\)"),
     (dict(v=paged_cache(num_pages=41)), r"k and v must agree in every dim but the last"),
+    # rows 2**27 bytes apart: 16 of them span 2**31, past the kernel's 32-bit offsets in a page
+    (dict(v=HostArrayAsDevice(np.lib.stride_tricks.as_strided(
+        np.zeros(1, BF16), (40, 8, 64, 128), (2**40, 256, 2**27, 2), writeable=False))),
+     r"v's rows must lie less than 134217728 bytes apart in a paged cache, got shape \(40, 8, 64, 128\)"),
 ))
 def test_paged_errors_name_the_argument(kwargs, match):
     args = dict(k=paged_cache(), page_table=arr((2, 5), np.int32), seqlens_k=arr((2,), np.int32))
@@ -248,6 +252,18 @@ def test_paged_caches_take_more_ctas_an_sm():
     paged = plan(arr((8, 32, 1, 128)), k, page_table=table, seqlens_k=arr((8,), np.int32), sm_count=132)
     assert dense.num_splits == 2
     assert paged.num_bh * paged.grid_x >= _config.DECODE_PAGED_CTAS_A_SM * _config.DECODE_SM_FILL * 132
+
+
+@pytest.mark.parametrize("kv_len, splits", ((1024, 1), (8192, 2)))
+def test_paged_calls_that_fill_the_sms_split_only_into_long_splits(kv_len, splits):
+    """MQA, 128 sequences: 128 CTAs fill the SMs at one split. Two splits of 1024 keys (8 tiles
+    of 128 keys each) would not pay for the merge; of 8192 keys (32 tiles) they do."""
+    pages = kv_len // 64
+    k = arr((128 * pages, 1, 64, 64))
+    table = arr((128, pages), np.int32)
+    p = plan(arr((128, 32, 1, 64)), k, page_table=table, seqlens_k=arr((128,), np.int32), sm_count=132)
+    assert p.num_bh * p.row_tiles == 128 and p.num_splits == splits
+    assert (p.combine is None) == (splits == 1)
 
 
 def test_long_single_sequence_is_spread_over_every_sm():

@@ -211,6 +211,25 @@ def test_paged_every_page_size(dtype, page_size, num_splits, rng):
         check(out, q, k, v, lengths, dtype)
 
 
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("heads,nq,d,dv", (("mqa", 1, 128, 128), ("mqa", 2, 64, 64), ("gqa", 1, 40, 72)), ids=str)
+def test_paged_row_warps_and_head_dims(heads, nq, d, dv, page_size, rng):
+    """The paged forms the test above leaves out: 32 rows at head dim 128 (two row warps, MQA
+    decoding), 64 rows at head dim 64 (four), and head dims short of their bucket (columns
+    past d or dv zero-filled, not read)."""
+    from cuflash import _decode
+
+    dtype = "bfloat16"
+    lengths = [700, 1, 16, 0, 513]
+    q, k, v = inputs(rng, dtype, len(lengths), HEADS[heads], nq, 768, d, dv)
+    cache = PagedCache(rng, k, v, lengths, page_size, vllm=True)
+    k_dev, v_dev, table, seqlens = cache.device()
+    for num_splits in (1, None):
+        out = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
+                                       num_splits=num_splits)
+        check(out, q, k, v, lengths, dtype)
+
+
 @pytest.mark.parametrize("window", (None, (9, 0), (40, 2)), ids=str)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("nq", (1, 3, 16))
