@@ -315,21 +315,15 @@ def variants_for(arch: str):
 # a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16
 # splits of 128 key tiles 3.86 TB/s, 64 of 32 tiles 3.63, 256 of 8 tiles 3.04) ...
 DECODE_SM_FILL = 0.9
-# Paged caches aim at this many CTAs an SM: a page-table look-up sits on each tile's copy path.
-# Swept on the H200 (bench/NOTES.md, session 15; CUDA graphs, num_splits 1-128, page 64, 17
-# GQA and MQA shapes): 2 an SM is at or within 3% of the fastest split count at every shape
-# where 4 lost up to 25% (GQA 8 x 32768 hd128 307.8 against 267.0 us; MQA 8 x 32768 hd64 39.4
-# against 30.9) and 1 left GQA at 0.56-0.62x the dense speed (session 9). Where one split
-# already fills the SMs and two would be shorter than DECODE_SHORT_SPLIT_TILES, one it is: the
-# merge costs more than the second CTA gains (session 19, MQA 128 x 1024, page 64: hd64 18.3 ->
-# 13.0 us, hd128 31.6 -> 24.7; at 128 x 8192 two splits stay, hd64 75.4 against 80.2 at one).
-DECODE_PAGED_CTAS_A_SM = 2
+# Paged caches take the same rule: with their pages read a few tiles ahead (session 19), the
+# dense rule's split counts are at or within 1-10% faster than two CTAs an SM at every shape
+# swept but one (bench/NOTES.md, session 19; MQA 8 x 32768 hd64 page 64 28.2 against 27.4 us).
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams; where that leaves SMs idle
 # (short caches), DECODE_MIN_TILES_PER_SPLIT_SHORT.
 DECODE_MIN_TILES_PER_SPLIT = 4
 DECODE_MIN_TILES_PER_SPLIT_SHORT = 2
-# A dense cache whose splits (at one CTA an SM) come out shorter than this many key tiles aims at
+# A call whose splits (at one CTA an SM) come out shorter than this many key tiles aims at
 # two CTAs an SM instead: a second CTA hides a split's start and end (Q, the first tiles'
 # latency, the partial result's store) behind the other's stream. Swept on the H200
 # (bench/NOTES.md, session 18; CUDA-graph GPU time, num_splits 4-256): splits of 9 tiles
@@ -381,23 +375,20 @@ def _fill_splits(ctas_per_split: int, key_tiles: int, target: float, min_tiles: 
     return -(-key_tiles // per_split), per_split  # none left without a tile
 
 
-def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int, paged: bool = False) -> typing.Tuple[int, int]:
-    """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence, where one split
-    is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles): the fewest splits that put a CTA
-    (paged: DECODE_PAGED_CTAS_A_SM) on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at
-    least DECODE_MIN_TILES_PER_SPLIT tiles; two CTAs an SM for dense splits shorter than
-    DECODE_SHORT_SPLIT_TILES, and no paged splits that short where one split fills the SMs;
-    DECODE_MIN_TILES_PER_SPLIT_SHORT tiles where the SMs are not filled otherwise."""
+def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int) -> typing.Tuple[int, int]:
+    """(splits, key tiles a split) for ``key_tiles`` tiles of keys a sequence (dense or paged),
+    where one split is ``ctas_per_split`` CTAs (batch x k/v heads x row tiles): the fewest
+    splits that put a CTA on DECODE_SM_FILL of the ``sm_count`` SMs, each keeping at least
+    DECODE_MIN_TILES_PER_SPLIT tiles; two CTAs an SM for splits shorter than
+    DECODE_SHORT_SPLIT_TILES; DECODE_MIN_TILES_PER_SPLIT_SHORT tiles where the SMs are not
+    filled otherwise."""
     if key_tiles <= 0:
         return 1, 1
-    filled = DECODE_SM_FILL * sm_count
-    target = filled * (DECODE_PAGED_CTAS_A_SM if paged else 1)
+    filled = target = DECODE_SM_FILL * sm_count
     splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT)
-    if not paged and splits > 1 and per_split < DECODE_SHORT_SPLIT_TILES:
+    if splits > 1 and per_split < DECODE_SHORT_SPLIT_TILES:
         target = 2 * filled
         splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT)
-    if paged and splits > 1 and ctas_per_split >= filled and per_split < DECODE_SHORT_SPLIT_TILES:
-        return 1, key_tiles  # one split fills the SMs, and short splits would not pay for the merge
     if ctas_per_split * splits < filled:
         splits, per_split = _fill_splits(ctas_per_split, key_tiles, target, DECODE_MIN_TILES_PER_SPLIT_SHORT)
     return splits, per_split

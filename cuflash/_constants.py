@@ -31,9 +31,11 @@ TILE_MAJOR_FORWARD_TILES = 32
 TILE_MAJOR_BACKWARD_TILES = 64
 TILE_MAJOR_VARLEN_BACKWARD_TILES = 8
 
-# Decoding (kernels/flash_decode.cu). The first two reach it through kernel_defines().
+# Decoding (kernels/flash_decode.cu). The first four reach it through kernel_defines().
 DECODE_ROW_TILE = 16  # packed query rows a warp (kDecodeRows, one m16 tile)
 DECODE_PAGE_GROUP = 16  # keys a page-table look-up covers (kPageGroup): the smallest page size
+DECODE_PAGE_BATCH = 4  # key tiles whose page-table entries are read together (kPageBatch)
+DECODE_PAGE_SLOTS = 8  # key tiles whose group addresses a paged CTA holds (kPageSlots)
 MAX_DECODE_QUERIES = 16  # queries a head the decoding kernels take (Nq)
 DECODE_PAGE_SIZES = (16, 32, 64, 128, 256)
 MAX_DECODE_SPLITS = 256

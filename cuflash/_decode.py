@@ -252,7 +252,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         raise ValueError(f"{num_bh * rows} query rows exceed the 2^31 the decoding kernels count: q {_shape_text(q)}")
     key_tiles = -(-capacity // variant.block_cols)
     if forced is None:
-        splits, tiles_per_split = _config.decode_splits(num_bh * row_tiles, key_tiles, sm_count, paged)
+        splits, tiles_per_split = _config.decode_splits(num_bh * row_tiles, key_tiles, sm_count)
     else:  # as given, even where some splits get no tile (they write the empty state)
         splits, tiles_per_split = forced, max(1, -(-key_tiles // forced))
     fields = dict(

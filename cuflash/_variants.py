@@ -456,12 +456,14 @@ class SplitKvDecode(_Launch):
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, unpadded swizzled rows), the page
-        slots of the stages plus one (paged: two pointers a key group, the first rows of K and V;
-        dense: 4 bytes a group, unused), and a row's bytes of slack for aligning the start."""
+        slots (paged: kPageSlots tiles of two pointers a key group, the first rows of K and V;
+        dense: the stages plus one of 4 bytes a group, unused), and a row's bytes of slack for
+        aligning the start."""
         row_bytes = 2 * self.head_dim
         tiles = row_bytes * (self.block_rows + 2 * self.stages * self.block_cols)
-        slot_bytes = (16 if self.paged else 4) * (self.block_cols // _constants.DECODE_PAGE_GROUP)
-        return tiles + (self.stages + 1) * slot_bytes + row_bytes
+        groups = self.block_cols // _constants.DECODE_PAGE_GROUP
+        slots = 16 * _constants.DECODE_PAGE_SLOTS * groups if self.paged else 4 * (self.stages + 1) * groups
+        return tiles + slots + row_bytes
 
     key_prefix = "decode"
 
@@ -508,6 +510,8 @@ def kernel_defines() -> dict:
         "CUFLASH_TILE_MAJOR_VARLEN_BACKWARD_TILES": _constants.TILE_MAJOR_VARLEN_BACKWARD_TILES,
         "CUFLASH_DECODE_ROWS": _constants.DECODE_ROW_TILE,
         "CUFLASH_DECODE_PAGE_GROUP": _constants.DECODE_PAGE_GROUP,
+        "CUFLASH_DECODE_PAGE_BATCH": _constants.DECODE_PAGE_BATCH,
+        "CUFLASH_DECODE_PAGE_SLOTS": _constants.DECODE_PAGE_SLOTS,
         "CUFLASH_MAX_DECODE_SPLITS": _constants.MAX_DECODE_SPLITS,
         "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_params.FWD_PARAM_FORMAT),
         "CUFLASH_FWD_POINTER_WORDS": _params.pointer_words(_params.FWD_PARAM_FORMAT),

@@ -35,7 +35,7 @@
 // Paged caches: key j of sequence b lives in page page_table[b][j / page_size], row
 // j % page_size. A page index outside [0, num_pages) is never dereferenced: the keys of that
 // page are masked (they take no part, as if past the sequence's end), so a bad table entry
-// cannot read out of bounds. Each 16-key group's page is looked up once, one iteration before
+// cannot read out of bounds. Each 16-key group's page is looked up once, a few iterations before
 // its copies are issued (so the page-table read latency is off the copy path), and turned into
 // the address of the group's first row of K and of V in shared memory; a copy adds its row's
 // offset within the group (32-bit: the host keeps 16 rows of a page under 2 GB) to that.
@@ -47,9 +47,14 @@
 
 namespace cuflash {
 
-// Both from cuflash/_constants.py (DECODE_ROW_TILE, DECODE_PAGE_GROUP) through kernel_defines().
+// From cuflash/_constants.py (DECODE_ROW_TILE, DECODE_PAGE_GROUP) through kernel_defines().
 constexpr int kDecodeRows = CUFLASH_DECODE_ROWS;  // query rows a warp
 constexpr int kPageGroup = CUFLASH_DECODE_PAGE_GROUP;  // keys that share one page-table look-up
+// Paged: the page-table entries of kPageBatch key tiles are read together, and stored to shared
+// memory kPageBatch - 1 iterations later (see the loop), into a ring of kPageSlots tiles. Both
+// from _constants (DECODE_PAGE_BATCH, DECODE_PAGE_SLOTS).
+constexpr int kPageBatch = CUFLASH_DECODE_PAGE_BATCH;
+constexpr int kPageSlots = CUFLASH_DECODE_PAGE_SLOTS;
 static_assert(kDecodeRows == 16, "a warp's rows are one m16 mma tile (the accumulator rows lane / 4 + 8 h)");
 
 // Every member is 8 bytes, laid out by cuflash/_params.py by name (DECODE_PARAM_FIELDS).
@@ -128,7 +133,10 @@ template <int HD, int BC, int STAGES, int NWARPS, int ROW_WARPS, bool PAGED>
 struct DecodeSmemLayout {
     static constexpr int q_elems = ROW_WARPS * kDecodeRows * HD;
     static constexpr int kv_elems = BC * HD;  // one stage of K (or V)
-    static constexpr int page_slots = STAGES + 1;  // one more than the stages: see the loop
+    // dense: one more than the stages (unused); paged: see the loop
+    static constexpr int page_slots = PAGED ? kPageSlots : STAGES + 1;
+    static_assert(!PAGED || (kPageBatch + STAGES <= kPageSlots && kPageBatch >= STAGES - 1),
+                  "a batch's slots are free when it is stored, and batch 1 is read before the loop");
     static constexpr int pages_per_tile = BC / kPageGroup;
     static constexpr int tile_bytes = 2 * (q_elems + 2 * STAGES * kv_elems);
     // Paged: a slot holds each group's first row of K and of V (two pointers); dense caches
@@ -146,12 +154,10 @@ struct DecodeSmemLayout {
     static_assert(o_bytes + stat_bytes <= 2 * 2 * STAGES * kv_elems, "the merge fits in K/V");
 };
 
-// The page of the 16-key group starting at key j, or -1 when it must not be read: past the
-// sequence's end, or an index outside [0, num_pages).
-__device__ __forceinline__ int page_of(const DecodeParams& p, const int* table_row, int j, int len) {
-    if (j >= len) return -1;
-    const int page = table_row[j >> p.page_shift];
-    return (page >= 0 && page < p.num_pages) ? page : -1;
+// The page-table entry of the 16-key group starting at key j, or -1 past the sequence's end.
+// Not checked here: a check would wait for the read, whose latency the caller hides.
+__device__ __forceinline__ int page_entry(const int* table_row, int j, int len, int page_shift) {
+    return j < len ? table_row[j >> page_shift] : -1;
 }
 
 // Copies keys [k0, k0 + BC) of a dense cache, key j at cache + j * row_stride, into a swizzled
@@ -210,8 +216,12 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* const* g
     }
 }
 
+// Paged forms ask for the two CTAs an SM their shared memory is sized for: left to itself
+// NVRTC gave the eight-warp, one-row-warp form 80 registers and a spill, and with one asked
+// the eight-warp forms took more than two CTAs' registers. (0 leaves the dense forms' machine
+// code as it was; they fit two CTAs on their own.)
 template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32)
+__global__ void __launch_bounds__(NWARPS * 32, PAGED ? 2 : 0)
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     constexpr int NT = NWARPS * 32;
     constexpr int KEY_WARPS = NWARPS / ROW_WARPS;
@@ -301,17 +311,28 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             load_kv_tile_async<BC, HD, NT>(sV + stage * L::kv_elems, gV, p.v_row_stride, k0, ilen, p.dv, tid);
         }
     };
-    // The page-table entry thread tid (< pages_per_tile) fetches for tile u, or -1 ...
-    auto fetch_page = [&](int u) {
-        return u < n_tiles ? page_of(p, table_row, (tile_first + u) * BC + tid * kPageGroup, ilen) : -1;
+    // Paged: thread tid < kPageBatch * pages_per_tile reads the page of group tid % pages_per_tile
+    // of tile tid / pages_per_tile of batch b (tiles [kPageBatch b, kPageBatch b + kPageBatch)),
+    // or -1 ...
+    constexpr int PAGE_READERS = kPageBatch * L::pages_per_tile;
+    auto fetch_page = [&](int b) {
+        const int batch_tile = tid / L::pages_per_tile, batch_group = tid % L::pages_per_tile;
+        const int u = b * kPageBatch + batch_tile;
+        return u < n_tiles ? page_entry(table_row, (tile_first + u) * BC + batch_group * kPageGroup, ilen, (int)p.page_shift)
+                           : -1;
     };
-    // ... and the first rows of its group of K and V in that page, stored into slot u % page_slots.
-    auto store_group_rows = [&](int u, int page) {
-        const int at = (u % L::page_slots) * L::pages_per_tile + tid;
-        const i64 row = ((tile_first + u) * BC + tid * kPageGroup) & page_mask;
+    // ... and stores that group's first row of K and of V in the page to its tile's slot, or
+    // null where the group must not be read: past the end, or an index outside [0, num_pages).
+    auto store_group_rows = [&](int b, int page) {
+        page = page >= 0 && page < p.num_pages ? page : -1;
+        const int batch_tile = tid / L::pages_per_tile, batch_group = tid % L::pages_per_tile;
+        const int u = b * kPageBatch + batch_tile;
+        const int at = (u % L::page_slots) * L::pages_per_tile + batch_group;
+        const i64 row = ((tile_first + u) * BC + batch_group * kPageGroup) & page_mask;
         sKRows[at] = page < 0 ? nullptr : gK + page * p.k_batch_stride + row * p.k_row_stride;
         sVRows[at] = page < 0 ? nullptr : gV + page * p.v_batch_stride + row * p.v_row_stride;
     };
+    int batch_page = -1;  // a page read at one iteration and stored kPageBatch - 1 later
 
     const float scale_log2 = (float)p.scale_log2;
     float acc_o[HD / 8][4];
@@ -334,8 +355,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             cp_async_16(smem_addr(sQ + swizzled<HD>(r, c)), src, valid);
         }
         if constexpr (PAGED) {
-            if (tid < L::pages_per_tile)
-                for (int u = 0; u < STAGES; ++u) store_group_rows(u, fetch_page(u));
+            if (tid < PAGE_READERS) {
+                store_group_rows(0, fetch_page(0));
+                batch_page = fetch_page(1);
+            }
             __syncthreads();
         }
         for (int u = 0; u < STAGES - 1; ++u) {
@@ -360,10 +383,12 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         __syncthreads();
         if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
         cp_async_commit();
-        // Paged: tile t + STAGES's pages, stored after this tile's math (the load's latency
-        // hides behind it) into the slot tile t - 1 used; the next barrier publishes them.
-        int next_page = -1;
-        if (PAGED && tid < L::pages_per_tile) next_page = fetch_page(t + STAGES);
+        // Paged: batch b's pages are read at iteration kPageBatch (b - 1) - STAGES + 1 and stored
+        // at the end of iteration kPageBatch b - STAGES (the read's latency, which under a
+        // saturated memory outlasts one tile's math, hides behind kPageBatch - 1 tiles'),
+        // then published by the next barrier, just before tile kPageBatch b's copies.
+        if (PAGED && tid < PAGE_READERS && (t + STAGES - 1) % kPageBatch == 0)
+            batch_page = fetch_page((t + STAGES - 1) / kPageBatch + 1);
 
         const int stage = t % STAGES;
         const u32 cK = smem_addr(sK + stage * L::kv_elems) + k_lane;  // this lane's row of the warp's keys
@@ -452,7 +477,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 mma_16816<T>(acc_o[2 * nd + 1], p_frag[kk], b[2], b[3]);
             }
 
-        if (PAGED && tid < L::pages_per_tile) store_group_rows(t + STAGES, next_page);
+        if (PAGED && tid < PAGE_READERS && (t + STAGES) % kPageBatch == 0)
+            store_group_rows((t + STAGES) / kPageBatch, batch_page);
     }
 
     // -- merge the key warps' states: each warp's O rescaled to its row tile's common max and

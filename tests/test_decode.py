@@ -245,25 +245,19 @@ def test_large_batches_take_one_split():
     assert p.num_splits == 1 and p.combine is None
 
 
-def test_paged_caches_take_more_ctas_an_sm():
-    dense = plan(arr((8, 32, 1, 128)), arr((8, 8, 32768, 128)), sm_count=132)
-    k = arr((8 * 512, 8, 64, 128))  # 512 pages of 64 keys a sequence
-    table = arr((8, 512), np.int32)
-    paged = plan(arr((8, 32, 1, 128)), k, page_table=table, seqlens_k=arr((8,), np.int32), sm_count=132)
-    assert dense.num_splits == 2
-    assert paged.num_bh * paged.grid_x >= _config.DECODE_PAGED_CTAS_A_SM * _config.DECODE_SM_FILL * 132
-
-
-@pytest.mark.parametrize("kv_len, splits", ((1024, 1), (8192, 2)))
-def test_paged_calls_that_fill_the_sms_split_only_into_long_splits(kv_len, splits):
-    """MQA, 128 sequences: 128 CTAs fill the SMs at one split. Two splits of 1024 keys (8 tiles
-    of 128 keys each) would not pay for the merge; of 8192 keys (32 tiles) they do."""
+@pytest.mark.parametrize("batch, hk, kv_len", ((8, 8, 32768), (1, 8, 8192), (128, 1, 1024), (128, 1, 8192), (1, 1, 131072)))
+def test_paged_caches_split_as_dense_ones(batch, hk, kv_len):
+    """The same keys paged (64 a page) and dense: the same splits, and so the same merge."""
+    q = arr((batch, 32, 1, 64))
+    dense = plan(q, arr((batch, hk, kv_len, 64)), sm_count=132)
     pages = kv_len // 64
-    k = arr((128 * pages, 1, 64, 64))
-    table = arr((128, pages), np.int32)
-    p = plan(arr((128, 32, 1, 64)), k, page_table=table, seqlens_k=arr((128,), np.int32), sm_count=132)
-    assert p.num_bh * p.row_tiles == 128 and p.num_splits == splits
-    assert (p.combine is None) == (splits == 1)
+    paged = plan(q, arr((batch * pages, hk, 64, 64)), page_table=arr((batch, pages), np.int32),
+                 seqlens_k=arr((batch,), np.int32), sm_count=132)
+    assert paged.variant.block_cols == dense.variant.block_cols
+    assert (paged.num_splits, paged.tiles_per_split, paged.combine) == (dense.num_splits, dense.tiles_per_split,
+                                                                         dense.combine)
+    assert dense.num_splits == {(8, 8, 32768): 2, (1, 8, 8192): 16, (128, 1, 1024): 1, (128, 1, 8192): 1,
+                                (1, 1, 131072): 256}[(batch, hk, kv_len)]
 
 
 def test_long_single_sequence_is_spread_over_every_sm():
