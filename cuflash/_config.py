@@ -354,12 +354,26 @@ def decode_row_warps(rows: int) -> int:
     return _tiles.DECODE_ROW_WARPS[-1]
 
 
-def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1) -> SplitKvDecode:
+# A cache of at most DECODE_SHORT_CACHE_KEYS keys a sequence whose grid holds at least
+# DECODE_SHORT_CTAS_A_SM CTAs an SM (of DECODE_SM_FILL of them) without splitting takes
+# _tiles.DECODE_TILES_SHORT where it has a form: measured at 1024-2048 CTAs and 512-2048 keys.
+DECODE_SHORT_CACHE_KEYS = 2048
+DECODE_SHORT_CTAS_A_SM = 4
+
+
+def decode_config(dtype: str, d: int, dv: int, paged: bool, rows: int = 1, sequences: int = 0, keys: int = 0,
+                  sm_count: int = 0) -> SplitKvDecode:
     """The decoding variant for 16-bit ``dtype``, head dims d (q, k) and dv (v), ``rows``
-    packed query rows (query heads a k/v head x queries a head)."""
+    packed query rows (query heads a k/v head x queries a head); ``sequences`` (batch x k/v
+    heads), ``keys`` (the cache's capacity) and ``sm_count`` pick the short-cache form."""
     hd = decode_head_dim_bucket(max(d, dv))
     row_warps = decode_row_warps(rows)
-    return SplitKvDecode(dtype, hd, *_tiles.DECODE_TILES[(hd, row_warps)], bool(paged), row_warps)
+    tiles = _tiles.DECODE_TILES[(hd, row_warps)]
+    ctas = sequences * -(-rows // (_constants.DECODE_ROW_TILE * row_warps))
+    if (hd, row_warps) in _tiles.DECODE_TILES_SHORT and 0 < keys <= DECODE_SHORT_CACHE_KEYS \
+            and ctas >= DECODE_SHORT_CTAS_A_SM * DECODE_SM_FILL * sm_count > 0:
+        tiles = _tiles.DECODE_TILES_SHORT[(hd, row_warps)]
+    return SplitKvDecode(dtype, hd, *tiles, bool(paged), row_warps)
 
 
 def _fill_splits(ctas_per_split: int, key_tiles: int, target: float, min_tiles: int) -> typing.Tuple[int, int]:
@@ -412,4 +426,7 @@ def all_decode_variants():
             for paged in (False, True):
                 for row_warps in _tiles.DECODE_ROW_WARPS:
                     variants.append(decode_config(dtype, hd, hd, paged, _constants.DECODE_ROW_TILE * row_warps))
+                for (bucket, row_warps), tiles in _tiles.DECODE_TILES_SHORT.items():
+                    if bucket == hd:
+                        variants.append(SplitKvDecode(dtype, hd, *tiles, paged, row_warps))
     return variants

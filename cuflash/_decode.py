@@ -245,9 +245,9 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
     forced = _check_num_splits(num_splits)
 
     rows = layout["group"] * layout["nq"]
-    variant = _config.decode_config(dtype, layout["d"], layout["dv"], paged, rows)
-    row_tiles = -(-rows // variant.block_rows)
     num_bh = batch * layout["kv_heads"]
+    variant = _config.decode_config(dtype, layout["d"], layout["dv"], paged, rows, num_bh, capacity, sm_count)
+    row_tiles = -(-rows // variant.block_rows)
     if num_bh * rows >= 2**31:
         raise ValueError(f"{num_bh * rows} query rows exceed the 2^31 the decoding kernels count: q {_shape_text(q)}")
     key_tiles = -(-capacity // variant.block_cols)

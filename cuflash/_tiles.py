@@ -137,5 +137,14 @@ DECODE_TILES = {
     (128, 1): (64, 4, 3), (128, 2): (64, 4, 3), (128, 4): (48, 4, 3),
 }
 
+# Short caches in grids several CTAs an SM deep (_config.decode_config's rule): one row warp at
+# head dim 64 takes 64-key tiles of four warps (50 KB and half the registers a CTA, so four
+# CTAs an SM, each with less of a start and an end to wait out). Measured on the H200
+# (bench/NOTES.md, session 19; CUDA-graph GPU us, GQA 32/8, one query): 128 x 1024 67.9 ->
+# 65.6 (SDPA 64.6), 256 x 512 71.9 -> 67.0 (SDPA 66.1), 128 x 2048 124.6 -> 123.5 (SDPA 122.0);
+# four stages 3-8% slower. At head dim 128 (32 keys, two warps; 64 keys, two stages) and for
+# MQA's two row warps (64 keys, four or eight warps) none was faster.
+DECODE_TILES_SHORT = {(64, 1): (64, 4, 3)}
+
 # 16-row tiles a CTA the decoding kernel is built for (decode_row_warps in _config picks one).
 DECODE_ROW_WARPS = (1, 2, 4)

@@ -102,8 +102,10 @@ class DecodeCase(NamedTuple):
     num_splits: Optional[int]  # None: chosen
 
 
-# (heads, queries): 4, 32 and 64 packed rows, so one, two and four row warps
-DECODE_GROUPS = (((8, 2), 1), ((8, 1), 4), ((16, 1), 4))
+# (heads, queries): 4, 32 and 64 packed rows, so one, two and four row warps; then 4 rows of
+# 3 x 240 k/v heads, a grid deep enough for the short-cache tiles (_config.decode_config)
+DECODE_GROUPS = (((8, 2), 1), ((8, 1), 4), ((16, 1), 4), ((960, 240), 1))
+DECODE_BATCH, DECODE_CAPACITY = 3, 300
 
 
 def decode_cases(subset):
@@ -125,7 +127,7 @@ def run_decode_case(case, rng, subset):
 
     from cuflash import _decode
 
-    batch, capacity = 3, 300
+    batch, capacity = DECODE_BATCH, DECODE_CAPACITY
     (hq, hk), d = case.heads, case.d
     q = strided(rng, batch, hq, case.nq, d, case.dtype)
     lengths = cupy.asarray(np.array([0, 37, capacity + 50], np.int32))

@@ -236,6 +236,26 @@ def test_short_dense_splits_take_two_ctas_an_sm():
     assert plan(arr((128, 32, 1, 128)), arr((128, 1, 1024, 128)), sm_count=132).num_splits == 1
 
 
+@pytest.mark.parametrize("batch, kv_len, short", ((128, 1024, True), (256, 512, True), (128, 2048, True),
+                                                  (128, 4096, False), (32, 1024, False), (1, 131072, False)))
+def test_short_caches_in_deep_grids_take_the_short_tiles(batch, kv_len, short):
+    """GQA 32/8 at head dim 64: 64-key tiles where the cache is at most 2048 keys and the grid
+    at least 4 CTAs an SM (475 on 132 SMs; 32 x 8 = 256 is not); paged caches alike."""
+    q = arr((batch, 32, 1, 64))
+    dense = plan(q, arr((batch, 8, kv_len, 64)), sm_count=132)
+    pages = kv_len // 64
+    paged = plan(q, arr((batch * pages, 8, 64, 64)), page_table=arr((batch, pages), np.int32),
+                 seqlens_k=arr((batch,), np.int32), sm_count=132)
+    tiles = _tiles.DECODE_TILES_SHORT[(64, 1)] if short else _tiles.DECODE_TILES[(64, 1)]
+    for p in (dense, paged):
+        assert (p.variant.block_cols, p.variant.warps, p.variant.stages) == tiles
+        assert p.variant in _config.all_decode_variants()
+    assert dense.num_splits == 1 or not short
+    # MQA (two row warps) has no short form
+    mqa = plan(arr((batch, 32, 1, 64)), arr((batch, 1, kv_len, 64)), sm_count=132).variant
+    assert (mqa.block_cols, mqa.warps, mqa.stages) == _tiles.DECODE_TILES[(64, 2)]
+
+
 def test_large_batches_take_one_split():
     """8 x 8 (batch, k/v head) rows fill 64 of 132 SMs: two splits; 32 x 8 fill them all: one
     (the kernel writes o itself, no combine)."""
@@ -296,8 +316,9 @@ def test_decode_variants_are_listed_for_every_arch():
         keys = {v.key for v in _config.variants_for(arch)}
         assert {v.key for v in _config.all_decode_variants()} <= keys
     decode = [v for v in _config.all_decode_variants() if isinstance(v, _variants.SplitKvDecode)]
-    # dtypes x head dims x dense/paged x row warps
-    assert len(decode) == 2 * len(_tiles.DECODE_HEAD_DIM_BUCKETS) * 2 * len(_tiles.DECODE_ROW_WARPS)
+    # dtypes x dense/paged x (head dims x row warps, and the short-cache forms)
+    forms = len(_tiles.DECODE_HEAD_DIM_BUCKETS) * len(_tiles.DECODE_ROW_WARPS) + len(_tiles.DECODE_TILES_SHORT)
+    assert len(decode) == len({v.key for v in decode}) == 2 * 2 * forms
 
 
 def test_every_decode_variant_builds_within_the_spill_budget():

@@ -31,7 +31,8 @@ def test_coverage_line(cases_module):
 def test_decode_cases_reach_every_decode_variant(cases_module, subset):
     from cuflash import _config, _variants
 
-    reached = {_config.decode_config(c.dtype, c.d, c.d, c.page_size is not None, c.heads[0] // c.heads[1] * c.nq).key
+    reached = {_config.decode_config(c.dtype, c.d, c.d, c.page_size is not None, c.heads[0] // c.heads[1] * c.nq,
+                                     cases_module.DECODE_BATCH * c.heads[1], cases_module.DECODE_CAPACITY, 132).key
                for c in cases_module.decode_cases(subset)}
     assert reached == {v.key for v in _config.all_decode_variants() if isinstance(v, _variants.SplitKvDecode)}
     assert all(any(c.num_splits == 3 and c.dtype == dtype for c in cases_module.decode_cases(subset))
