@@ -315,6 +315,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // of tile tid / pages_per_tile of batch b (tiles [kPageBatch b, kPageBatch b + kPageBatch)),
     // or -1 ...
     constexpr int PAGE_READERS = kPageBatch * L::pages_per_tile;
+    static_assert(!PAGED || PAGE_READERS <= NT, "a thread for each group of a batch of tiles");
     auto fetch_page = [&](int b) {
         const int batch_tile = tid / L::pages_per_tile, batch_group = tid % L::pages_per_tile;
         const int u = b * kPageBatch + batch_tile;
