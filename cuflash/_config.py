@@ -315,9 +315,6 @@ def variants_for(arch: str):
 # a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16
 # splits of 128 key tiles 3.86 TB/s, 64 of 32 tiles 3.63, 256 of 8 tiles 3.04) ...
 DECODE_SM_FILL = 0.9
-# Paged caches take the same rule: with their pages read a few tiles ahead (session 19), the
-# dense rule's split counts are at or within 1-10% faster than two CTAs an SM at every shape
-# swept but one (bench/NOTES.md, session 19; MQA 8 x 32768 hd64 page 64 28.2 against 27.4 us).
 # ... while each split keeps at least this many key tiles, so that its pipeline fills and the
 # workspace and combine stay small next to the cache it streams; where that leaves SMs idle
 # (short caches), DECODE_MIN_TILES_PER_SPLIT_SHORT.
@@ -387,6 +384,11 @@ def _fill_splits(ctas_per_split: int, key_tiles: int, target: float, min_tiles: 
            and -(-key_tiles // (per_split - 1)) <= most):
         per_split -= 1
     return -(-key_tiles // per_split), per_split  # none left without a tile
+
+
+# Paged caches take the same rules: with their pages read a few tiles ahead (session 19), the
+# dense rules' split counts are at or within 1-10% faster than two CTAs an SM at every shape
+# swept but one (bench/NOTES.md, session 19; MQA 8 x 32768 hd64 page 64 28.2 against 27.4 us).
 
 
 def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int) -> typing.Tuple[int, int]:
