@@ -193,22 +193,24 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* const* g
     static_assert(NT % CHUNKS == 0 && BC % RSTEP == 0, "whole rows a pass, whole passes a tile");
     static_assert(RSTEP % kPageGroup == 0 || kPageGroup % RSTEP == 0, "a thread's rows keep their place in a group");
     static_assert(RSTEP % 8 == 0, "a thread's rows keep their swizzle");
+    // Each pass a group of its own (RSTEP a multiple of 16), or several passes in one group.
+    constexpr bool GROUP_A_PASS = RSTEP % kPageGroup == 0;
     const int r_lo = tid / CHUNKS, c = tid % CHUNKS;
     const bool cols_ok = c * 8 < ncols;
     const u32 dst = smem_addr(smem + swizzled<HD>(r_lo, c));
-    const int offset = (RSTEP % kPageGroup == 0 ? r_lo % kPageGroup : r_lo) * row_bytes + c * 16;
+    const int offset = (GROUP_A_PASS ? r_lo % kPageGroup : r_lo) * row_bytes + c * 16;
     // The thread's groups' addresses first: shared-memory reads between the copies cost each
     // copy three issue slots of padding.
-    constexpr int GROUPS = RSTEP % kPageGroup == 0 ? BC / RSTEP : BC / kPageGroup;
+    constexpr int GROUPS = GROUP_A_PASS ? BC / RSTEP : BC / kPageGroup;
     const char* bases[GROUPS];
 #pragma unroll
     for (int i = 0; i < GROUPS; ++i)
-        bases[i] = reinterpret_cast<const char*>(group_rows[RSTEP % kPageGroup == 0 ? r_lo / kPageGroup + i * (RSTEP / kPageGroup) : i]);
+        bases[i] = reinterpret_cast<const char*>(group_rows[GROUP_A_PASS ? r_lo / kPageGroup + i * (RSTEP / kPageGroup) : i]);
 #pragma unroll
     for (int it = 0; it < BC / RSTEP; ++it) {
         // the row's group (of the thread's), and how far past the thread's first row in a group it lies
-        const int g = RSTEP % kPageGroup == 0 ? it : it * RSTEP / kPageGroup;
-        const int w = RSTEP % kPageGroup == 0 ? 0 : it * RSTEP % kPageGroup;
+        const int g = GROUP_A_PASS ? it : it * RSTEP / kPageGroup;
+        const int w = GROUP_A_PASS ? 0 : it * RSTEP % kPageGroup;
         const char* base = bases[g];
         const bool valid = base != nullptr && k0 + r_lo + it * RSTEP < len && cols_ok;
         const void* src = valid ? static_cast<const void*>(base + (offset + w * row_bytes)) : fallback;
@@ -316,20 +318,20 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // or -1 ...
     constexpr int PAGE_READERS = kPageBatch * L::pages_per_tile;
     static_assert(!PAGED || PAGE_READERS <= NT, "a thread for each group of a batch of tiles");
+    // The tile of batch b that a reading thread covers, and the first key of its group in tile u.
+    auto batch_tile = [&](int b) { return b * kPageBatch + tid / L::pages_per_tile; };
+    auto group_key = [&](int u) { return (tile_first + u) * BC + tid % L::pages_per_tile * kPageGroup; };
     auto fetch_page = [&](int b) {
-        const int batch_tile = tid / L::pages_per_tile, batch_group = tid % L::pages_per_tile;
-        const int u = b * kPageBatch + batch_tile;
-        return u < n_tiles ? page_entry(table_row, (tile_first + u) * BC + batch_group * kPageGroup, ilen, (int)p.page_shift)
-                           : -1;
+        const int u = batch_tile(b);
+        return u < n_tiles ? page_entry(table_row, group_key(u), ilen, (int)p.page_shift) : -1;
     };
     // ... and stores that group's first row of K and of V in the page to its tile's slot, or
     // null where the group must not be read: past the end, or an index outside [0, num_pages).
     auto store_group_rows = [&](int b, int page) {
         page = page >= 0 && page < p.num_pages ? page : -1;
-        const int batch_tile = tid / L::pages_per_tile, batch_group = tid % L::pages_per_tile;
-        const int u = b * kPageBatch + batch_tile;
-        const int at = (u % L::page_slots) * L::pages_per_tile + batch_group;
-        const i64 row = ((tile_first + u) * BC + batch_group * kPageGroup) & page_mask;
+        const int u = batch_tile(b);
+        const int at = (u % L::page_slots) * L::pages_per_tile + tid % L::pages_per_tile;
+        const i64 row = group_key(u) & page_mask;
         sKRows[at] = page < 0 ? nullptr : gK + page * p.k_batch_stride + row * p.k_row_stride;
         sVRows[at] = page < 0 ? nullptr : gV + page * p.v_batch_stride + row * p.v_row_stride;
     };
