@@ -173,14 +173,19 @@ def compile_cubin(kernel_dir: str, source: str, expressions, arch: str, options=
     return cubin, lowered
 
 
-def sass_by_function(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> dict:
-    """{function name: [normalized instruction]} of a cubin."""
+def disassemble(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> str:
+    """cuobjdump -sass's listing of a cubin (written to ``workdir`` as ``tag``.cubin)."""
     path = workdir / f"{tag}.cubin"
     path.write_bytes(cubin)
     # cuobjdump runs nvdisasm, which the wheels put beside it.
     env = dict(os.environ, PATH=os.pathsep.join((str(Path(cuobjdump).parent), os.environ.get("PATH", ""))))
-    listing = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
-                             env=env).stdout
+    return subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
+                          env=env).stdout
+
+
+def sass_by_function(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> dict:
+    """{function name: [normalized instruction]} of a cubin."""
+    listing = disassemble(cuobjdump, cubin, workdir, tag)
     functions, current = {}, None
     for line in listing.splitlines():
         if m := _FUNCTION.search(line):

@@ -19,7 +19,6 @@ import collections
 import concurrent.futures
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -118,11 +117,7 @@ def variant_loops(task) -> tuple:
     if cubin is None:
         return expression, f"build failed: {lowered.splitlines()[0] if lowered else ''}"
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "v.cubin"
-        path.write_bytes(cubin)
-        env = dict(os.environ, PATH=os.pathsep.join((str(Path(cuobjdump).parent), os.environ.get("PATH", ""))))
-        listing = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True,
-                                 env=env).stdout
+        listing = sass_diff.disassemble(cuobjdump, cubin, Path(tmp), "v")
     return expression, {name: tensor_loops(body) for name, body in parse_functions(listing).items()}
 
 
