@@ -32,6 +32,17 @@ def plan(q, k, v=None, **kwargs):
     return _decode.plan_decode(q, k, k if v is None else v, **kwargs)
 
 
+def dense_and_paged_plans(batch, hk, kv_len, d=64):
+    """Plans on 132 SMs of one query a head for 32 query heads against ``kv_len`` keys over
+    ``hk`` k/v heads: a dense cache, and the same keys in pages of 64."""
+    q = arr((batch, 32, 1, d))
+    pages = kv_len // 64
+    dense = plan(q, arr((batch, hk, kv_len, d)), sm_count=132)
+    paged = plan(q, arr((batch * pages, hk, 64, d)), page_table=arr((batch, pages), np.int32),
+                 seqlens_k=arr((batch,), np.int32), sm_count=132)
+    return dense, paged
+
+
 # ---- the parameter blocks ------------------------------------------------------------------
 
 
@@ -241,11 +252,7 @@ def test_short_dense_splits_take_two_ctas_an_sm():
 def test_short_caches_in_deep_grids_take_the_short_tiles(batch, kv_len, short):
     """GQA 32/8 at head dim 64: 64-key tiles where the cache is at most 2048 keys and the grid
     at least 4 CTAs an SM (475 on 132 SMs; 32 x 8 = 256 is not); paged caches alike."""
-    q = arr((batch, 32, 1, 64))
-    dense = plan(q, arr((batch, 8, kv_len, 64)), sm_count=132)
-    pages = kv_len // 64
-    paged = plan(q, arr((batch * pages, 8, 64, 64)), page_table=arr((batch, pages), np.int32),
-                 seqlens_k=arr((batch,), np.int32), sm_count=132)
+    dense, paged = dense_and_paged_plans(batch, 8, kv_len)
     tiles = _tiles.DECODE_TILES_SHORT[(64, 1)] if short else _tiles.DECODE_TILES[(64, 1)]
     for p in (dense, paged):
         assert (p.variant.block_cols, p.variant.warps, p.variant.stages) == tiles
@@ -268,11 +275,7 @@ def test_large_batches_take_one_split():
 @pytest.mark.parametrize("batch, hk, kv_len", ((8, 8, 32768), (1, 8, 8192), (128, 1, 1024), (128, 1, 8192), (1, 1, 131072)))
 def test_paged_caches_split_as_dense_ones(batch, hk, kv_len):
     """The same keys paged (64 a page) and dense: the same splits, and so the same merge."""
-    q = arr((batch, 32, 1, 64))
-    dense = plan(q, arr((batch, hk, kv_len, 64)), sm_count=132)
-    pages = kv_len // 64
-    paged = plan(q, arr((batch * pages, hk, 64, 64)), page_table=arr((batch, pages), np.int32),
-                 seqlens_k=arr((batch,), np.int32), sm_count=132)
+    dense, paged = dense_and_paged_plans(batch, hk, kv_len)
     assert paged.variant.block_cols == dense.variant.block_cols
     assert (paged.num_splits, paged.tiles_per_split, paged.combine) == (dense.num_splits, dense.tiles_per_split,
                                                                          dense.combine)

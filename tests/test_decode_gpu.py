@@ -148,7 +148,6 @@ def test_short_cache_tiles(dtype, paged, rng):
     check(_decode.decode_attention(to_device(q), k_dev, v_dev, **kwargs), q, k, v, lengths, dtype)
 
 
-
 @pytest.mark.parametrize("d,dv", ((8, 8), (40, 40), (64, 64), (72, 72), (128, 128), (64, 128), (128, 8)))
 def test_head_dims(d, dv, rng):
     lengths = [130, 5, 64]
