@@ -95,8 +95,9 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 # instructions are serialized due to ..." or "(C7519) warpgroup.arrive is injected ...".
 _PTXAS_WGMMA_NOTE = re.compile(r"\((C75\d\d)\).*?function '(\S+?)'")
 # The notes that say every wgmma of the kernel is serialized: an accumulator read in flight
-# (C7514), a compiler-inserted warpgroup.arrive on a divergent path (C7520).
-SERIALIZED_WGMMA = ("C7514", "C7520")
+# (C7514), a dependence on a compiler-inserted wait (WG.DP) on a divergent path (C7518), a
+# compiler-inserted warpgroup.arrive on a divergent path (C7520).
+SERIALIZED_WGMMA = ("C7514", "C7518", "C7520")
 
 
 def serializes_wgmma(report: dict) -> bool:

@@ -109,6 +109,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // dS^T in two buffers, by stage, so the warpgroups need not meet after dQ. At head dim 128 the
     // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
     constexpr bool kDoubleDs = HD == 64;
+    // dK's matmul is not waited for before the barrier in front of dQ but with dQ's own: it runs
+    // through the barrier and dQ's issue (at head dim 128, where dV has been waited for and
+    // every warpgroup adds dQ: 1-2.6% faster backwards, bench/NOTES.md session 20).
+    constexpr bool kDkThroughDq = HD == 128;
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -348,9 +352,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
                         // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
                         // its own partial sum: the warpgroups then never wait for each other --
-                        sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
-                        sm90::fence_operand(acc_dv);
-                        sm90::fence_operand(acc_dk);
+                        if constexpr (!kDkThroughDq) {
+                            sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
+                            sm90::fence_operand(acc_dv);
+                            sm90::fence_operand(acc_dk);
+                        }
                         sm90::fence_async_shared();
                         if constexpr (BULK_DQ) {
                             if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile

@@ -47,8 +47,8 @@ def test_no_variant_spills(reports):
 def test_no_variant_serializes_its_wgmmas(reports):
     """ptxas serializes every wgmma of a kernel (note C7514) when it cannot prove that no other
     instruction reads an accumulator in flight: the overlapped forward did so, and ran slower
-    than without overlap, until its last tile was peeled off the loop. C7520 (an arrive it
-    inserted on a divergent path) serializes them too."""
+    than without overlap, until its last tile was peeled off the loop. C7518 and C7520 (a wait or
+    an arrive it inserted on a divergent path) serialize them too."""
     serialized = [(v.key, arch) for v, arch, r in reports if _loader.serializes_wgmma(r)]
     assert not serialized, serialized
 

@@ -77,3 +77,16 @@ def test_every_kernel_gets_its_shared_memory_allowance(monkeypatch):
     launch = _plan.Kernel(_FakeVariant(), 0, (1, 1, 1), [], 64, 64)
     assert kernel.max_dynamic_shared_size_bytes == 200 * 1024 == launch.smem
     assert launch.func == 1234
+
+
+def test_serialized_wgmma_notes_are_recognised():
+    """ptxas's note C7518 (seen when a wgmma was issued on one warpgroup's branch ahead of a
+    common one) serializes every wgmma like C7514 and C7520; C7519 alone does not."""
+    line = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are "
+            "serialized due to program dependence on compiler-inserted WG.DP in divergent path in the "
+            "function '_ZN7cuflash4someE'")
+    code, function = _loader._PTXAS_WGMMA_NOTE.search(line).groups()
+    assert (code, function) == ("C7518", "_ZN7cuflash4someE")
+    assert _loader.serializes_wgmma({"wgmma_notes": (code,)})
+    assert _loader.serializes_wgmma({"wgmma_notes": ("C7519", "C7514")})
+    assert not _loader.serializes_wgmma({"wgmma_notes": ("C7519",)})
