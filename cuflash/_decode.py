@@ -23,7 +23,10 @@ import numpy as np
 from . import _api, _checks, _config, _constants, _params, _plan, _tiles, _variants
 from .masks import window_option
 
-MAX_KEY_POSITION = 2**31 - 1  # the kernel counts keys (and capacity + Nq) in 32 bits
+# The kernel counts keys (and capacity + Nq) in 32 bits, and a paged CTA computes key positions
+# of tiles up to DECODE_PAGE_SLOTS + 2 past its last (page-table reads ahead, their results
+# unused there): with that slack every position it forms stays under 2^31.
+MAX_KEY_POSITION = 2**31 - 1 - (_constants.DECODE_PAGE_SLOTS + 2) * _tiles.DECODE_MAX_TILE_KEYS
 
 class DecodePlan(NamedTuple):
     """Everything :func:`decode_attention` decides from shapes, strides and the GPU's size."""

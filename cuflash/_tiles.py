@@ -145,6 +145,7 @@ DECODE_TILES = {
 # four stages 3-8% slower. At head dim 128 (32 keys, two warps; 64 keys, two stages) and for
 # MQA's two row warps (64 keys, four or eight warps) none was faster.
 DECODE_TILES_SHORT = {(64, 1): (64, 4, 3)}
+DECODE_MAX_TILE_KEYS = max(cols for cols, _, _ in (*DECODE_TILES.values(), *DECODE_TILES_SHORT.values()))
 
 # 16-row tiles a CTA the decoding kernel is built for (decode_row_warps in _config picks one).
 DECODE_ROW_WARPS = (1, 2, 4)

@@ -176,10 +176,18 @@ def test_paged_errors_name_the_argument(kwargs, match):
 
 
 def test_capacity_beyond_32_bit_positions_is_refused():
+    """Capacities whose key positions, with the kernel's read-ahead slack, reach 2^31 are
+    refused; the largest below the bound plans."""
     k = paged_cache(num_pages=2, page_size=256)
-    table = HostArrayAsDevice(np.broadcast_to(np.zeros(1, np.int32), (1, 2**23)).copy())
+    def table(pages):
+        return HostArrayAsDevice(np.broadcast_to(np.zeros(1, np.int32), (1, pages)).copy())
     with pytest.raises(ValueError, match=r"2147483648 keys a sequence exceeds"):
-        plan(arr((1, 32, 1, 128)), k, page_table=table, seqlens_k=arr((1,), np.int32))
+        plan(arr((1, 32, 1, 128)), k, page_table=table(2**23), seqlens_k=arr((1,), np.int32))
+    largest = (_decode.MAX_KEY_POSITION - 1) // 256  # pages, with one query
+    assert largest * 256 + (_constants.DECODE_PAGE_SLOTS + 2) * _tiles.DECODE_MAX_TILE_KEYS < 2**31
+    with pytest.raises(ValueError, match=f"{(largest + 1) * 256} keys a sequence exceeds"):
+        plan(arr((1, 32, 1, 128)), k, page_table=table(largest + 1), seqlens_k=arr((1,), np.int32))
+    assert plan(arr((1, 32, 1, 128)), k, page_table=table(largest), seqlens_k=arr((1,), np.int32)).num_splits >= 1
 
 
 def test_causal_folds_into_the_window():
