@@ -111,7 +111,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     constexpr bool kDoubleDs = HD == 64;
     // dK's matmul is not waited for before the barrier in front of dQ but with dQ's own: it runs
     // through the barrier and dQ's issue (at head dim 128, where dV has been waited for and
-    // every warpgroup adds dQ: 1-2.6% faster backwards, bench/NOTES.md session 20).
+    // every warpgroup adds dQ: 1-2.6% faster backwards, bench/NOTES.md session 20). At 64
+    // warpgroup 1 alone adds dQ, and with dK in flight on its branch ptxas serialized every
+    // wgmma (C7518).
     constexpr bool kDkThroughDq = HD == 128;
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
