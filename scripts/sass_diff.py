@@ -183,18 +183,26 @@ def disassemble(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> str:
                           env=env).stdout
 
 
-def sass_by_function(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> dict:
-    """{function name: [normalized instruction]} of a cubin."""
-    listing = disassemble(cuobjdump, cubin, workdir, tag)
+def split_functions(listing: str, parse) -> dict:
+    """{function name: [parse(line), ...]} of a cuobjdump -sass listing: each function's lines
+    after its header, those that ``parse`` maps to None left out."""
     functions, current = {}, None
     for line in listing.splitlines():
         if m := _FUNCTION.search(line):
             current = functions.setdefault(m.group(1), [])
-        elif current is not None:
-            instruction = _ENCODING.sub("", _ADDRESS.sub("", line)).strip()
-            if instruction:
-                current.append(normalized(instruction))
+        elif current is not None and (item := parse(line)) is not None:
+            current.append(item)
     return functions
+
+
+def _normalized_line(line: str):
+    instruction = _ENCODING.sub("", _ADDRESS.sub("", line)).strip()
+    return normalized(instruction) if instruction else None
+
+
+def sass_by_function(cuobjdump: str, cubin: bytes, workdir: Path, tag: str) -> dict:
+    """{function name: [normalized instruction]} of a cubin."""
+    return split_functions(disassemble(cuobjdump, cubin, workdir, tag), _normalized_line)
 
 
 def _compare_chunk(task):

@@ -59,16 +59,15 @@ class Loop(NamedTuple):
     innermost: bool  # no other listed loop lies inside it
 
 
+def _addressed(line: str):
+    m = _LINE.search(line)
+    return (int(m.group(1), 16), m.group(2).strip()) if m else None
+
+
 def parse_functions(listing: str) -> dict:
     """{function name: [(address, instruction without its predicate's spacing)]} of a
     cuobjdump -sass listing."""
-    functions, current = {}, None
-    for line in listing.splitlines():
-        if m := sass_diff._FUNCTION.search(line):
-            current = functions.setdefault(m.group(1), [])
-        elif current is not None and (m := _LINE.search(line)):
-            current.append((int(m.group(1), 16), m.group(2).strip()))
-    return functions
+    return sass_diff.split_functions(listing, _addressed)
 
 
 def opcode(instruction: str) -> str:
