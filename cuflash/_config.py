@@ -213,7 +213,6 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
         dq_tiles = _tiles.TC_BACKWARD_DQ_TILES[d]
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *dq_tiles, causal, sparse)
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  bulk_dq=_tiles.SM90_BULK_DQ[d] and not deterministic,
                                   grouped=grouped and not sparse and not deterministic)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":

@@ -98,13 +98,6 @@ TC_BACKWARD_DQ_TILES = {
 SPLIT_BACKWARD_ABOVE = 128  # head dims above this compute dV and dK in separate passes
 
 
-# Per head dim: the wgmma backward's atomic dQ added tile by tile by one bulk reduction on the
-# copy engine (True) or by vector atomics from registers (False). Measured (bench/NOTES.md,
-# 8cbec78): +7-11% at head dim 128; -4-8% at 64, where each warpgroup adds its own tile and the
-# copy engine's two reductions a tile cost more than the atomics they replace.
-SM90_BULK_DQ = {64: False, 128: True}
-
-
 # ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
 #
 # A few queries a head against a long cache: the keys of each (batch, k/v head) are split over

@@ -162,12 +162,11 @@ class HopperForward(_Launch):
     block_rows = 128  # both, like HopperBackward's, reach the kernel through kernel_defines()
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
-    # bytes); the persistent head-dim-128 forms still spill up to 64 bytes. At 256, where O is
-    # 128 of a consumer's 232 registers, up to 144; it still runs at 1.8x the mma.sync kernel
-    # (bench/NOTES.md).
+    # bytes). Head dims 64 and 128 spill nothing; at 256, where O is 128 of a consumer's 232
+    # registers, up to 72 bytes; it still runs at 1.8x the mma.sync kernel (bench/NOTES.md).
     @property
     def spill_allowance(self) -> int:
-        return 160 if self.head_dim == 256 else 128
+        return 160 if self.head_dim == 256 else 0
 
     @property
     def head_dim_v(self) -> int:
@@ -366,7 +365,6 @@ class HopperBackward(_Launch):
     causal: bool
     stages: int = 2
     sparse: bool = False
-    bulk_dq: bool = False  # atomic dQ added by one bulk reduction per tile instead of vector atomics
     varlen: bool = False
     grouped: bool = False  # a CTA walks BwdParams.head_group query heads of a k/v head (GQA)
 
@@ -375,16 +373,11 @@ class HopperBackward(_Launch):
     block_rows = 64
     block_cols = 128
     warps = 12
-    # Ungrouped forms spill at most 24 bytes (dense, hd128, atomic dQ).
-    # The block-sparse ones at head dim 128 with atomic dQ spilled 132-204 while the partial
-    # tiles' block look-ups sat inside the P^T loop (on top of dK, dV and dQ in 232 registers);
-    # they are a mask built before it now (partial_tile_keep, mask.cuh), and spill 0-16.
-    # The grouped float16 forms at head dim 128 spill 64-72 bytes (bfloat16 16-28): measured
-    # 7% faster than one head a CTA all the same (bench/NOTES.md, session 14).
-
-    @property
-    def spill_allowance(self) -> int:
-        return 80 if self.grouped else 0
+    # Spills, all within the common budget since the warp-uniform warpgroup index (session 21):
+    # none at head dim 64 or in bfloat16; float16 at 128 24 bytes in the block-sparse forms,
+    # 20-36 in the grouped ones (up to 64 before). The block-sparse ones at head dim 128
+    # with atomic dQ spilled 132-204 while the partial tiles' block look-ups sat inside the P^T
+    # loop; they are a mask built before it now (partial_tile_keep, mask.cuh).
 
     @property
     def head_dim_v(self) -> int:
@@ -393,13 +386,13 @@ class HopperBackward(_Launch):
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         hd, br, bc = self.head_dim, self.block_rows, self.block_cols
         tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
-        dq_tile = 4 * br * 128  # fp32, for bulk_dq: hd128's tile, or hd64's two (one a warpgroup)
+        dq_tile = 4 * br * hd  # fp32, atomic dQ's tile before its bulk reduction
         return tiles + self.stages * 3 * br * 4 + dq_tile + 8 * (1 + 2 * self.stages) + 1024
 
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
-                         self.causal, self.sparse, self.bulk_dq, self.varlen, self.grouped, self.smem_bytes())
+                         self.causal, self.sparse, self.varlen, self.grouped, self.smem_bytes())
 
 
 class BackwardPlan(typing.NamedTuple):

@@ -16,10 +16,9 @@
 //                  dK  += dS^T Q          wgmma, dS^T from registers, Q read transposed
 //                  dQ  += dS K            (ATOMIC_DQ) dS^T goes through shared memory; each
 //                                         warpgroup computes 64 columns of dQ (head dim 128;
-//                                         at 64 warpgroup 1 does all) and adds them to the
-//                                         float32 dQ with vector atomics, or (BULK_DQ) writes
-//                                         them to a shared tile that one thread adds to dQ
-//                                         with one bulk reduction on the copy engine
+//                                         at 64 warpgroup 1 does all) into a shared float32
+//                                         tile that one thread adds to dQ with one bulk
+//                                         reduction on the copy engine
 // dK (times scale) and dV are written once at the end, like flash_bwd_kernel's.
 #include "common.cuh"
 #include "mask.cuh"
@@ -50,8 +49,8 @@ struct Bwd90SmemLayout {
     static constexpr int do_offset = q_offset + STAGES * q_bytes;
     static constexpr int ds_offset = do_offset + STAGES * q_bytes;
     static constexpr int stat_offset = ds_offset + 2 * ds_bytes;  // dS^T double-buffered (by tile parity)
-    static constexpr int dq_offset = stat_offset + STAGES * stat_floats * 4;  // fp32 dQ tiles (BULK_DQ)
-    static constexpr int dq_bytes = kBwd90Rows * 128 * 4;  // one [64][128] tile, or two [64][64] (HD = 64)
+    static constexpr int dq_offset = stat_offset + STAGES * stat_floats * 4;  // fp32 dQ tile (ATOMIC_DQ)
+    static constexpr int dq_bytes = kBwd90Rows * HD * 4;
     static constexpr int barrier_offset = dq_offset + dq_bytes;
     static constexpr int barriers = 1 + 2 * STAGES;  // K/V loaded; per stage, loaded and read
     static constexpr int bytes = barrier_offset + 8 * barriers + 1024;
@@ -95,8 +94,8 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
 // sequence that its grid position names. Its ring of Q / dO stages counts on across them (a
 // tile's stage and phase come from the tiles of the earlier items plus its own index), and
 // all three warpgroups meet between items, before K and V are replaced.
-template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool BULK_DQ, bool VARLEN,
-          bool GROUPED, int SMEM_BYTES>
+template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool VARLEN, bool GROUPED,
+          int SMEM_BYTES>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
     using L = Bwd90SmemLayout<HD, STAGES>;
@@ -109,12 +108,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // dS^T in two buffers, by stage, so the warpgroups need not meet after dQ. At head dim 128 the
     // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
     constexpr bool kDoubleDs = HD == 64;
-    // dK's matmul is not waited for before the barrier in front of dQ but with dQ's own: it runs
-    // through the barrier and dQ's issue (at head dim 128, where dV has been waited for and
-    // every warpgroup adds dQ: 1-2.6% faster backwards, bench/NOTES.md session 20). At 64
-    // warpgroup 1 alone adds dQ, and with dK in flight on its branch ptxas serialized every
-    // wgmma (C7518).
-    constexpr bool kDkThroughDq = HD == 128;
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -124,9 +117,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const u32 sDO = base + L::do_offset, sDS = base + L::ds_offset, sDQ_addr = base + L::dq_offset;
     float* sStat = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)) + L::stat_offset);
     float* sDQ = reinterpret_cast<float*>(smem_raw + (base - smem_addr(smem_raw)) + L::dq_offset);
-    // With bulk reductions at head dim 64 each warpgroup sums dQ over its own keys into its own
-    // tile and adds it itself (kOwnKeysDq); otherwise the warpgroups share one tile.
-    constexpr bool kOwnKeysDq = BULK_DQ && HD == 64;
     const Bwd90Barriers<STAGES> bar{base + L::barrier_offset};
 
     // GROUPED: the CTA walks `group` consecutive query heads of one k/v head
@@ -140,7 +130,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const GridCell cell = grid_cell(CAUSAL, VARLEN ? kTileMajorVarlenBackward : kTileMajorBackward);
     const i64 bidx = cell.slice * group;
     if (bidx >= p.num_batch) return;
-    const int tid = threadIdx.x, warpgroup = tid / 128;
+    const int tid = threadIdx.x, warpgroup = sm90::uniform_warpgroup(tid);
     if (tid == 0) {
         sm90::mbarrier_init(bar.kv_full(), 128);
         for (int s = 0; s < STAGES; ++s) {
@@ -222,8 +212,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             const float scale = (float)p.scale;
             int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
             band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
-            const int dq_tile = kOwnKeysDq ? warpgroup - 1 : 0;            // which fp32 dQ tile (BULK_DQ)
-            const int dq_issuer = kOwnKeysDq ? 128 * warpgroup : 128;      // the thread that adds it to dQ
+            constexpr int dq_issuer = 128;  // the thread that adds the dQ tile to dQ (ATOMIC_DQ)
 
             float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
 #pragma unroll
@@ -351,71 +340,53 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     sm90::wgmma_commit();
 
                     if (ATOMIC_DQ) {
-                        // -- dQ += scale * dS K: over all 128 keys (dS^T of both warpgroups must be in),
-                        // or with kOwnKeysDq over this warpgroup's 64 keys, all columns, each adding
-                        // its own partial sum: the warpgroups then never wait for each other --
-                        if constexpr (!kDkThroughDq) {
-                            sm90::wgmma_wait<0>();  // dV and dK first: their fragments' registers go to dQ
-                            sm90::fence_operand(acc_dv);
-                            sm90::fence_operand(acc_dk);
-                        }
+                        // -- dQ += scale * dS K over all 128 keys, so dS^T of both warpgroups must be
+                        // in. dK's matmul (at head dim 64 dV's too) is not waited for before the
+                        // barrier but with dQ: it runs through the barrier and dQ's issue (1-2.6%
+                        // faster backwards at head dim 128, bench/NOTES.md session 20; at 64, with
+                        // the warp-uniform warpgroup index, session 21) --
                         sm90::fence_async_shared();
-                        if constexpr (BULK_DQ) {
-                            if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
-                        }
-                        if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
-                        else sm90::named_barrier_sync<1, 256>();
-                        if (kOwnKeysDq || HD == 128 || warpgroup == 1) {
+                        if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
+                        sm90::named_barrier_sync<1, 256>();
+                        if (HD == 128 || warpgroup == 1) {
                             float acc_dq[8][4];
                             const int col0 = HD == 128 ? 64 * (warpgroup - 1) : 0;  // this warpgroup's dQ columns
-                            const int kk0 = kOwnKeysDq ? row0 / 16 : 0;
                             // A = dS [query][key] read from dS^T (queries contiguous), B = K [key][d] read
                             // transposed: both MN-major. 64-column block col0 / 64 of K.
 #pragma unroll
-                            for (int i = 0; i < (kOwnKeysDq ? 64 : kBwd90Keys) / 16; ++i)
-                                sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, kk0 + i),
-                                                     sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, kk0 + i),
+                            for (int i = 0; i < kBwd90Keys / 16; ++i)
+                                sm90::wgmma_ss_mn<T>(acc_dq, sm90::mnmajor_desc<kBwd90Keys>(cDS, i),
+                                                     sm90::mnmajor_desc<kBwd90Keys>(sK + (col0 / 64) * kBwd90Keys * sm90::kSwizzleRowBytes, i),
                                                      i > 0);
                             sm90::wgmma_commit();
                             sm90::wgmma_wait<0>();
                             sm90::fence_operand(acc_dq);
 #pragma unroll
-                            for (int h = 0; h < 2; ++h) {
+                            for (int h = 0; h < 2; ++h) {  // the tile, row-major like dq_acc's rows
                                 const int r = 16 * warp + lane / 4 + 8 * h;
-                                if constexpr (BULK_DQ) {  // the tile, row-major like dq_acc's rows
 #pragma unroll
-                                    for (int n = 0; n < 8; ++n)
-                                        *reinterpret_cast<float2*>(sDQ + dq_tile * kBwd90Rows * HD + r * HD + col0 + 8 * n + my_col) =
-                                            make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
-                                } else {
-                                    if (q0 + r >= nq) continue;
-                                    float* row = b.dq_acc + (dq_rows + q0 + r) * p.d + col0 + my_col;
-#pragma unroll
-                                    for (int n = 0; n < 8; ++n)
-                                        atomic_add_pair(row + 8 * n, scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
-                                }
+                                for (int n = 0; n < 8; ++n)
+                                    *reinterpret_cast<float2*>(sDQ + r * HD + col0 + 8 * n + my_col) =
+                                        make_float2(scale * acc_dq[n][2 * h], scale * acc_dq[n][2 * h + 1]);
                             }
                         }
-                        if constexpr (BULK_DQ) {
-                            // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
-                            // adds them all. Without kOwnKeysDq its barrier also stands in for barrier 2
-                            // below: both warpgroups' dQ matmuls have read dS^T by now.
+                        // The tile's rows of dq_acc are contiguous (rows of d floats): one reduction
+                        // adds them all once every warpgroup adding dQ has written its columns. At
+                        // head dim 128 that barrier also keeps the next tile's dS^T out of this
+                        // one's buffer until both warpgroups' dQ matmuls have read it. At 64
+                        // (kDoubleDs) the next tile writes the other buffer, and this one is written
+                        // again two tiles on, after the next tile's barrier 1, which warpgroup 1
+                        // reaches only after its dQ matmul on this buffer has been waited for.
+                        if (HD == 128 || warpgroup == 1) {
                             sm90::fence_async_shared();
-                            if constexpr (kOwnKeysDq) sm90::named_barrier_sync_128(3 + warpgroup);
-                            else sm90::named_barrier_sync<3, 256>();
+                            sm90::named_barrier_sync<3, HD == 128 ? 256 : 128>();
                             if (tid == dq_issuer) {
                                 const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
-                                sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d,
-                                                          sDQ_addr + dq_tile * kBwd90Rows * HD * 4, (u32)(rows * HD * 4));
+                                sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d, sDQ_addr, (u32)(rows * HD * 4));
                                 sm90::bulk_commit();
                             }
                         }
-                        // With kDoubleDs no barrier follows dQ: the next tile writes the other dS^T
-                        // buffer (STAGES = 2), and this one is written again two tiles on, after the
-                        // next tile's barrier 1, which neither warpgroup reaches before its dQ matmul
-                        // on this buffer has been waited for. Otherwise dS^T is read by both
-                        // warpgroups' dQ matmuls before either writes the next tile's.
-                        if constexpr (!kDoubleDs && !BULK_DQ) sm90::named_barrier_sync<2, 256>();
+                        if constexpr (HD == 64) sm90::wgmma_wait<0>();  // warpgroup 2 adds no dQ: its dK and dV
                     } else {
                         sm90::wgmma_wait<0>();
                     }
@@ -446,9 +417,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 }
             }
         }  // items
-        if constexpr (ATOMIC_DQ && BULK_DQ) {
+        if constexpr (ATOMIC_DQ) {
             // every reduction done before the CTA's memory goes
-            if (tid == (kOwnKeysDq ? 128 * warpgroup : 128)) sm90::bulk_wait<0>();
+            if (tid == 128) sm90::bulk_wait<0>();
         }
     }
 }

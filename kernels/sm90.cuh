@@ -287,6 +287,16 @@ __device__ __forceinline__ void tma_load_tile(u32 smem, const TensorMap* map, in
         tma_load_3d(smem + b * ROWS * kSwizzleRowBytes, map, b * kSwizzleCols, row0, z, bar);
 }
 
+// ---- warpgroups --------------------------------------------------------------------------
+
+// tid / 128, broadcast from lane 0: the same value, but one the compiler knows to be the same
+// in every lane of a warp, so branches on it are not divergent. Without it ptxas serialized
+// wgmma on some of the backward's warpgroup branches (C7514-C7520) and spilled more registers
+// (bench/NOTES.md session 21).
+__device__ __forceinline__ int uniform_warpgroup(int tid) {
+    return __shfl_sync(0xffffffffu, tid / 128, 0);
+}
+
 // ---- named barriers ----------------------------------------------------------------------
 // Barrier 0 is __syncthreads; the kernels number theirs from 1.
 

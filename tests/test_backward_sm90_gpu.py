@@ -76,13 +76,13 @@ def test_windows_and_block_masks(d, rng):
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("d", (64, 128), ids=("vector_atomics_d64", "bulk_reduction_d128"))
+@pytest.mark.parametrize("d", (64, 128), ids=("one_warpgroup_d64", "two_warpgroups_d128"))
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 def test_atomic_dq_forms(dtype, d, causal, rng):
-    """Atomic dQ in the form of each head dim: added by vector atomics at 64, by the copy
-    engine's bulk reductions at 128 (the measured defaults): ragged last query tiles (only
-    their rows are added), many query tiles a CTA (the tile buffer's reuse), grouped heads."""
-    assert _config.backward_plan(dtype, d, d, causal, False, wgmma=True).key_passes[0].bulk_dq == (d == 128)
+    """Atomic dQ's tile, added by the copy engine's bulk reductions, in the form of each head
+    dim (warpgroup 1 alone at 64, both at 128): ragged last query tiles (only their rows are
+    added), many query tiles a CTA (the tile buffer's reuse), grouped heads."""
+    assert _config.backward_plan(dtype, d, d, causal, False, wgmma=True).key_passes[0].atomic_dq
     for nq, nk in ((1, 1), (63, 65), (200, 129), (1000, 1000)):
         q, do = (random_array(rng, (2, 4, nq, d), dtype) for _ in range(2))
         k, v = (random_array(rng, (2, 2, nk, d), dtype) for _ in range(2))

@@ -22,13 +22,13 @@ def test_every_variant_builds_for_each_arch(reports):
 
 
 def test_spill_allowances_are_exceptions():
-    """Only the wgmma forward, the block-sparse head-dim-128 mma.sync forwards (which Hopper
-    runs only with the wgmma forward switched off) and the grouped (GQA) wgmma key passes carry
-    their own allowance; everything else has the common budget."""
+    """Only the wgmma forward at head dim 256 and the block-sparse head-dim-128 mma.sync
+    forwards (which Hopper runs only with the wgmma forward switched off) carry their own
+    allowance; everything else has the common budget."""
     variants = _config.all_variants(True, True)
     allowed = [v for v in variants if compile_check.spill_budget(v) > compile_check.SPILL_BUDGET_BYTES]
-    assert {type(v).__name__ for v in allowed} == {"HopperForward", "TensorCoreForward", "HopperBackward"}
-    assert all(v.grouped for v in allowed if type(v).__name__ == "HopperBackward")
+    assert {type(v).__name__ for v in allowed} == {"HopperForward", "TensorCoreForward"}
+    assert all(v.head_dim == 256 for v in allowed if type(v).__name__ == "HopperForward")
     assert all(v.sparse and v.head_dim == 128 for v in allowed if type(v).__name__ == "TensorCoreForward")
 
 
@@ -123,13 +123,3 @@ class _BrokenVariant:
     source = "flash_fwd.cu"
     key = "broken"
     name_expression = "cuflash::flash_fwd_kernel<cuflash::bf16, 24, 24, 128, 64, 8, 1, false>"
-
-
-def test_bulk_dq_follows_the_head_dim():
-    """The wgmma backward's atomic dQ by bulk reductions at head dim 128 only (measured: a win
-    there, a loss at 64); deterministic dQ has no atomics to replace."""
-    def key_pass(d, deterministic):
-        return _config.backward_plan("bfloat16", d, d, False, deterministic, wgmma=True).key_passes[0]
-
-    assert [key_pass(64, False).bulk_dq, key_pass(128, False).bulk_dq] == [False, True]
-    assert not key_pass(128, True).bulk_dq
