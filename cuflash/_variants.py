@@ -162,11 +162,7 @@ class HopperForward(_Launch):
     block_rows = 128  # both, like HopperBackward's, reach the kernel through kernel_defines()
     warps = 12
     # The producer warpgroup runs with 40 registers a thread (at 24 its copy loop spilled 120
-    # bytes). Head dims 64 and 128 spill nothing; at 256, where O is 128 of a consumer's 232
-    # registers, up to 72 bytes; it still runs at 1.8x the mma.sync kernel (bench/NOTES.md).
-    @property
-    def spill_allowance(self) -> int:
-        return 160 if self.head_dim == 256 else 0
+    # bytes). No form spills.
 
     @property
     def head_dim_v(self) -> int:

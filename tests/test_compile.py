@@ -22,13 +22,12 @@ def test_every_variant_builds_for_each_arch(reports):
 
 
 def test_spill_allowances_are_exceptions():
-    """Only the wgmma forward at head dim 256 and the block-sparse head-dim-128 mma.sync
-    forwards (which Hopper runs only with the wgmma forward switched off) carry their own
-    allowance; everything else has the common budget."""
+    """Only the block-sparse head-dim-128 mma.sync forwards (which Hopper runs only with the
+    wgmma forward switched off) carry their own allowance; everything else has the common
+    budget."""
     variants = _config.all_variants(True, True)
     allowed = [v for v in variants if compile_check.spill_budget(v) > compile_check.SPILL_BUDGET_BYTES]
-    assert {type(v).__name__ for v in allowed} == {"HopperForward", "TensorCoreForward"}
-    assert all(v.head_dim == 256 for v in allowed if type(v).__name__ == "HopperForward")
+    assert {type(v).__name__ for v in allowed} == {"TensorCoreForward"}
     assert all(v.sparse and v.head_dim == 128 for v in allowed if type(v).__name__ == "TensorCoreForward")
 
 
