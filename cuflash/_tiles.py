@@ -39,8 +39,10 @@ TC_FORWARD_TILES = {
 # the inputs, and to one item a CTA where the persistent grid's 32-bit item count would not do.
 # Overlap (S of t + 1 issued before P V of t, softmax of t + 1 while P V of t runs) with
 # ping-pong is the fastest at hdim 64 (331 against 324 TFLOP/s at seq 4096, 435 against 408 at
-# 16k); at hdim 128 neither helps (506 against 507 at 4096, 591 against 564 at 16k),
-# bench/NOTES.md.
+# 16k). At hdim 128 neither helped (506 against 507 at 4096, 591 against 564 at 16k) until the
+# warp-uniform warpgroup index (session 21): since, overlap alone is 1.7-3.1% faster at seq
+# >= 2048 (level to 1.5% slower causal at 1024), with ping-pong on top no better and ping-pong
+# alone level; bench/NOTES.md.
 #
 # persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
 # items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
@@ -54,7 +56,7 @@ TC_FORWARD_TILES = {
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
 # TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78. Never
 # persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
-SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, False, False, 8), 256: (64, 2, False, True, False)}
+SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, True, False, 8), 256: (64, 2, False, True, False)}
 # Head dims whose packed (varlen) batches take the persistent form where the table above gives it
 # to a dense batch of their longest sequence. At 64 it won as it does dense (64 x 12 x 1024,
 # causal: 492 -> 435 us, 0.97x the dense call); at 128 it did not (64 x 32/8 x 1024: 1790 ->

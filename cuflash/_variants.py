@@ -1,7 +1,7 @@
 """The kernel variants: one frozen dataclass per CUDA kernel template, what a launch of it is.
 
 Each class names its source file and template, and builds from its fields the variant's key
-(``fwd_sm90_bf16_d128_bc128_s3_tma_persistent_causal``, the cache and report name) and its
+(``fwd_sm90_bf16_d128_bc128_s3_overlap_tma_persistent_causal``, the cache and report name) and its
 name expression (the template instance NVRTC compiles). The shared memory of each 16-bit
 variant is computed here and passed as its last template argument; the kernel's own layout
 (``FwdSmemLayout`` in kernels/flash_fwd.cu, ...) must come to the same size (a static_assert,
@@ -47,7 +47,7 @@ _KEY_PREFIX = {"head_dim": "d", "head_dim_v": "dv", "block_rows": "br", "block_c
 
 class _Launch:
     """What every kernel variant shares: a CTA of ``warps`` warps, and a key built from its
-    fields, e.g. ``fwd_sm90_bf16_d128_bc128_s3_tma_persistent_causal``."""
+    fields, e.g. ``fwd_sm90_bf16_d128_bc128_s3_overlap_tma_persistent_causal``."""
 
     warps: int
     key_prefix: str  # what kind of kernel: fwd, fwd_sm90, bwd_dq, ...
