@@ -432,9 +432,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 
     const int tid = threadIdx.x, warpgroup = HD != 64 ? sm90::uniform_warpgroup(tid) : tid / 128;  // as in consume
     // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
-    // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at the head
-    // dims measured (at 256 the index arithmetic spilled 8 more bytes, unmeasured), not for
-    // varlen grids (level or slower at 16 x 12 x 4096 x 64 packed, session 16).
+    // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at head dims
+    // up to 128 (at 256 level: session 21), not for varlen grids (level or slower at
+    // 16 x 12 x 4096 x 64 packed, session 16).
     const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1, kTileMajorForward);
     if (!PERSISTENT && cell.slice >= p.num_batch) return;
     if (tid == 0) {
@@ -538,8 +538,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         // it runs it outside the item loop, on the plain thread index (at 64, 16 x 12 x 4096
         // causal: 1217-1244 -> 1190-1223 us, session 16). Inside the loop, above head dim 64,
         // the index must be opaque (slice.cuh): without it those forms spill 732-1228 bytes (at
-        // 256 the one-item copy alongside spills 44-52); at 64 the opaque index cost the loop 54
-        // of its 840 instructions and nothing spills without it.
+        // 256 the one-item copy alongside spills 24-96 in the cp.async forms); at 64 the opaque
+        // index cost the loop 54 of its 840 instructions and nothing spills without it.
         if (VARLEN && !PERSISTENT && HD <= 128 && first_item<VARLEN>(cell.tile) + item_step<VARLEN>() >= n_q_tiles) {
             if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, 0, w)) run_item(tid);
         } else {
