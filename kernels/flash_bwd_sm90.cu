@@ -108,6 +108,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // dS^T in two buffers, by stage, so the warpgroups need not meet after dQ. At head dim 128 the
     // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
     constexpr bool kDoubleDs = HD == 64;
+    constexpr int kDqIssuer = 128;  // the thread that adds each dQ tile to dQ (ATOMIC_DQ): warpgroup 1's first
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -212,7 +213,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             const float scale = (float)p.scale;
             int clean_first, clean_last;  // query tiles whose every pair with this warpgroup's keys is allowed
             band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
-            constexpr int dq_issuer = 128;  // the thread that adds the dQ tile to dQ (ATOMIC_DQ)
 
             float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
 #pragma unroll
@@ -346,7 +346,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         // faster backwards at head dim 128, bench/NOTES.md session 20; at 64, with
                         // the warp-uniform warpgroup index, session 21) --
                         sm90::fence_async_shared();
-                        if (tid == dq_issuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
+                        if (tid == kDqIssuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
                         sm90::named_barrier_sync<1, 256>();
                         if (HD == 128 || warpgroup == 1) {
                             float acc_dq[8][4];
@@ -380,7 +380,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         if (HD == 128 || warpgroup == 1) {
                             sm90::fence_async_shared();
                             sm90::named_barrier_sync<3, HD == 128 ? 256 : 128>();
-                            if (tid == dq_issuer) {
+                            if (tid == kDqIssuer) {
                                 const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
                                 sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d, sDQ_addr, (u32)(rows * HD * 4));
                                 sm90::bulk_commit();
@@ -419,7 +419,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         }  // items
         if constexpr (ATOMIC_DQ) {
             // every reduction done before the CTA's memory goes
-            if (tid == 128) sm90::bulk_wait<0>();
+            if (tid == kDqIssuer) sm90::bulk_wait<0>();
         }
     }
 }
