@@ -100,13 +100,11 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     ``slices``: the launch's (batch..., head) slices; a persistent grid counts its items
     (query tiles x slices) in 32 bits, so past 2^31 items it runs one item a CTA.
     ``varlen``: a packed variable-length batch: the same tiles in their VARLEN form (never
-    block-sparse), nq its longest sequence; on wgmma persistent as a dense batch of that length
-    would be, at the head dims of ``_tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS``.
+    block-sparse), nq its longest sequence; on wgmma persistent where a dense batch of that
+    length would be.
     """
     if varlen:
         variant = forward_config(dtype, d, dv, causal, tiles=tiles, wgmma=wgmma, nq=nq, tma=tma, slices=slices)
-        if isinstance(variant, HopperForward) and d not in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS:
-            variant = dataclasses.replace(variant, persistent=False)
         return dataclasses.replace(variant, varlen=True)
     if (wgmma and tiles is None and _wgmma_forward[0] and dtype in _constants.TENSOR_CORE_DTYPES and d == dv
             and d in _tiles.SM90_FORWARD_TILES):
@@ -190,16 +188,17 @@ def forward_tiles_override(tiles_by_bucket):
 def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *,
                   hopper: bool = True, sparse: bool = False, wgmma: bool = False,
                   wgmma_backward_on: typing.Optional[bool] = None, varlen: bool = False,
-                  grouped: bool = False) -> BackwardPlan:
+                  grouped: bool = False, tma: bool = True) -> BackwardPlan:
     """The kernels one backward launches; ``hopper``: the GPU has compute capability >= 9.0;
     ``sparse``: they walk block-sparse tile lists; ``wgmma``: the GPU has wgmma, and the
     wgmma key pass is switched on (``wgmma_backward_on``, default the module switch);
     ``varlen``: a packed variable-length batch, every kernel in its VARLEN form (never sparse);
     ``grouped``: a wgmma key pass walks several query heads of a k/v head
-    (backward_head_group; never sparse)."""
+    (backward_head_group; never sparse); ``tma``: the copy engine can map q, k, v and dO (else
+    the wgmma key pass loads with cp.async, as it always does for packed batches)."""
     if varlen:
         plan = backward_plan(dtype, d, dv, causal, deterministic, hopper=hopper, wgmma=wgmma,
-                             wgmma_backward_on=wgmma_backward_on, grouped=grouped)
+                             wgmma_backward_on=wgmma_backward_on, grouped=grouped, tma=False)
 
         def packed(kernel):
             return None if kernel is None else dataclasses.replace(kernel, varlen=True)
@@ -213,7 +212,7 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
         dq_tiles = _tiles.TC_BACKWARD_DQ_TILES[d]
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *dq_tiles, causal, sparse)
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  grouped=grouped and not sparse and not deterministic)
+                                  grouped=grouped and not sparse and not deterministic, tma=bool(tma))
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)
@@ -271,12 +270,13 @@ def all_backward_variants(hopper: bool = True, wgmma: bool = False):
                         for sparse, varlen, grouped in ((False, False, False), (True, False, False),
                                                         (False, True, False), (False, False, True),
                                                         (False, True, True)):
-                            plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper,
-                                                 sparse=sparse, wgmma=True, wgmma_backward_on=True, varlen=varlen,
-                                                 grouped=grouped)
-                            for kernel in (*plan.key_passes, plan.dq):
-                                if kernel is not None:
-                                    variants[kernel.key] = kernel
+                            for tma in (False, True):
+                                plan = backward_plan(dtype, dim, dim, causal, deterministic, hopper=hopper,
+                                                     sparse=sparse, wgmma=True, wgmma_backward_on=True,
+                                                     varlen=varlen, grouped=grouped, tma=tma)
+                                for kernel in (*plan.key_passes, plan.dq):
+                                    if kernel is not None:
+                                        variants[kernel.key] = kernel
     for causal in (False, True):
         for dtype in _constants.SUPPORTED_DTYPES:
             f32_dims = range(32, _constants.MAX_HEAD_DIM + 1, 32)

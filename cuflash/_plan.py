@@ -223,31 +223,31 @@ def sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, w
 
 
 class _Maps:
-    """struct Sm90Maps for one plan: three tensor maps (q, k, v) whose only per-call content is
-    the global address. Where the driver's encoding is seen to hold the address as its first
-    8 bytes and nothing else changes with it (checked per geometry by encoding two addresses),
-    a call writes the three addresses into a template; otherwise maps are encoded per pointer
-    triple and kept (``_KEPT`` of them), so an unchanged (pointer, shape, strides) is never
-    encoded again."""
+    """A kernel's tensor maps (struct Sm90Maps: q, k, v; Bwd90Maps: q, k, v, dO) for one plan,
+    whose only per-call content is the global addresses. Where the driver's encoding is seen to
+    hold the address as its first 8 bytes and nothing else changes with it (checked per geometry
+    by encoding two addresses), a call writes the addresses into a template; otherwise maps are
+    encoded per pointer tuple and kept (``_KEPT`` of them), so an unchanged (pointer, shape,
+    strides) is never encoded again."""
 
     _KEPT = 64
+    _MAP_WORDS = _tma.MAP_BYTES // 8
 
-    def __init__(self, geometries, ptrs):
-        self.geometries = geometries  # (cols, rows, row_stride, stride, count, box) for q, k, v
+    def __init__(self, geometries, ptrs, param_bytes=_tma.PARAM_BYTES):
+        self.geometries = geometries  # (cols, rows, row_stride, stride, count, box) a map
         raws = [_tma.encode(p, *g) for p, g in zip(ptrs, geometries)]
         self.ok = all(r is not None for r in raws)
         if not self.ok:
             return
-        slices = struct.pack(_tma.SLICE_FORMAT, *(g[3] for g in geometries))
-        payload = b"".join(raws) + slices
-        self.block = _words(payload + bytes(_tma.PARAM_BYTES - len(payload)))
+        self.block = _words(_tma.param_block(raws, geometries, param_bytes))
         self.patchable = all(_address_is_patchable(raw, p, g) for raw, p, g in zip(raws, ptrs, geometries))
+        self.address_words = slice(0, self._MAP_WORDS * len(geometries), self._MAP_WORDS)
         self.encoded = {tuple(ptrs): b"".join(raws)}
 
     def bind(self, ptrs):
         block = self.block
         if self.patchable:
-            block[0], block[16], block[32] = ptrs
+            block[self.address_words] = ptrs
             return True
         raw = self.encoded.get(ptrs)
         if raw is None:
@@ -404,7 +404,8 @@ class BackwardPlan:
     stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes)."""
 
     def __init__(self, device_id, dtype, operands, grads, out_lead, workspace_bytes=0, delta_offset=0,
-                 zero=None, kernels=(), fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False):
+                 zero=None, kernels=(), fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False, maps=None,
+                 fallback=None):
         self.device_id = device_id
         self.dtype = dtype
         self.operands = operands
@@ -418,6 +419,8 @@ class BackwardPlan:
         self.fwd_blocks, self.bwd_block = fwd_blocks, bwd_block
         self.reduces = reduces  # (Kernel, gradient index)
         self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
+        self.maps = maps  # the wgmma key pass's tensor maps (q, k, v, dO), or None
+        self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
         self.varlen = False  # the launches read cu_seqlens_q / cu_seqlens_k (run's last arguments)
         # The CuPy front end's, made at its first call: the gradients' one-allocation layout; the
         # byte extents of the inputs and the specs of caller-given gradients.
@@ -433,29 +436,37 @@ class BackwardPlan:
 
     def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q=0, cu_seqlens_k=0):
         self.check(do, q, k, v, o)
-        outs = (dq, dk, dv)
-        with self.lock, Context(self.ctx) as drv:
-            if self.zero_grads:
-                for ptr, grad in zip(outs, self.grads):
-                    nbytes = math.prod(grad.shape) * _checks.itemsize(self.dtype)
-                    if nbytes:
-                        _check(drv.memset_async(ptr, nbytes, stream), "cudaMemsetAsync")
+        with self.lock:
+            if self.maps is None or self.maps.bind((q, k, v, do)):
+                with Context(self.ctx) as drv:
+                    self._launch(drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q,
+                                 cu_seqlens_k)
                 return
-            accs = [ptr if g.kind == "direct" else workspace + g.offset for ptr, g in zip(outs, self.grads)]
-            lse2, delta = workspace, workspace + self.delta_offset
-            for block in self.fwd_blocks:
-                block[0:6] = (q, k, v, o, l, m)
-                if self.varlen:
-                    word = _params.CU_SEQLENS_WORD
-                    block[word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
-            self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
-            if self.zero is not None:
-                _check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")
-            for kernel in self.kernels:
-                kernel.launch(drv, stream)
-            for kernel, index in self.reduces:
-                kernel.params[0][0:2] = (accs[index], outs[index])
-                kernel.launch(drv, stream)
+        self.fallback().run(do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q, cu_seqlens_k)
+
+    def _launch(self, drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q, cu_seqlens_k):
+        outs = (dq, dk, dv)
+        if self.zero_grads:
+            for ptr, grad in zip(outs, self.grads):
+                nbytes = math.prod(grad.shape) * _checks.itemsize(self.dtype)
+                if nbytes:
+                    _check(drv.memset_async(ptr, nbytes, stream), "cudaMemsetAsync")
+            return
+        accs = [ptr if g.kind == "direct" else workspace + g.offset for ptr, g in zip(outs, self.grads)]
+        lse2, delta = workspace, workspace + self.delta_offset
+        for block in self.fwd_blocks:
+            block[0:6] = (q, k, v, o, l, m)
+            if self.varlen:
+                word = _params.CU_SEQLENS_WORD
+                block[word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
+        self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
+        if self.zero is not None:
+            _check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")
+        for kernel in self.kernels:
+            kernel.launch(drv, stream)
+        for kernel, index in self.reduces:
+            kernel.params[0][0:2] = (accs[index], outs[index])
+            kernel.launch(drv, stream)
 
 
 _WORKSPACE_ALIGN = 256
@@ -501,8 +512,9 @@ def _reduce_kernels(grads, out_lead, dtype, device_id):
 
 
 def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
-                             deterministic, ptrs):
-    """shapes / strides (elements): do, q, k, v, o; stats: ((shape, strides, dtype name) of l, m)."""
+                             deterministic, ptrs, tma=True):
+    """shapes / strides (elements): do, q, k, v, o; stats: ((shape, strides, dtype name) of l, m);
+    ptrs: theirs."""
     do_shape, q_shape, k_shape, v_shape, o_shape = shapes
     names = ("do", "q", "k", "v", "o")
     operands = tuple(zip(names, shapes, strides))
@@ -525,16 +537,25 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic, sparse=mask is not None,
-                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc))
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), tma=tma)
     nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
     kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, num_batch,
                                lambda cols: -(-nk // cols), device_id)
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+    do_lead, o_lead = layout.extra_strides[:2]
+    maps = None
+    key_pass = kplan.key_passes[0]
+    if isinstance(key_pass, _variants.HopperBackward) and key_pass.tma:
+        maps = _Maps(_tma.backward_geometries(nq, nk, d, layout, row_strides, (*do_lead, strides[0][-2]),
+                                              key_pass.block_rows, key_pass.block_cols),
+                     (ptrs[1], ptrs[2], ptrs[3], ptrs[0]), _tma.BWD_PARAM_BYTES)
+        if not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
+            return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
+                                            deterministic, ptrs, tma=False)
 
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
                                                group)
     kv_direct = grads[1].kind == "direct"
-    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
-    do_lead, o_lead = layout.extra_strides[:2]
     mask_strides = layout.extra_strides[-1] if mask is not None else ()
     # Atomic dQ adds into a zeroed accumulator: the preprocess, which visits every query row
     # first, zeroes it (one launch fewer than a memset).
@@ -549,7 +570,8 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
                                               causal=causal, window=window)
         block = _words(forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))
         fwd_blocks.append(block)
-        kernel = Kernel(variant, device_id, slice_grid(grid_x, slices), [block, bwd_block], d, dv)
+        kernel = Kernel(variant, device_id, slice_grid(grid_x, slices), _backward_params(variant, block, bwd_block, maps),
+                        d, dv)
         kernel.lists = lists
         kernels.append(kernel)
 
@@ -561,8 +583,21 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
 
     reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
 
+    def fallback():
+        return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
+                                        deterministic, ptrs, tma=False)
+
     return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, None, tuple(kernels),
-                        tuple(fwd_blocks), bwd_block, tuple(reduces))
+                        tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
+                        fallback=functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
+
+
+def _backward_params(variant, block, bwd_block, maps):
+    """A backward kernel's parameter blocks: FwdParams, BwdParams and, for the wgmma key pass,
+    its tensor maps (zeros where it loads with cp.async)."""
+    if not isinstance(variant, _variants.HopperBackward):
+        return [block, bwd_block]
+    return [block, bwd_block, maps.block if maps is not None else _words(bytes(_tma.BWD_PARAM_BYTES))]
 
 
 def _grouped_lead(out_lead, group) -> tuple:
@@ -761,7 +796,8 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     def add(variant, grid_x, slices=heads * num_seqs):
         block = _words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))
         fwd_blocks.append(block)
-        kernels.append(Kernel(variant, device_id, slice_grid(grid_x, slices), [block, bwd_block], d, dv))
+        kernels.append(Kernel(variant, device_id, slice_grid(grid_x, slices),
+                              _backward_params(variant, block, bwd_block, None), d, dv))
 
     stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
     add(kplan.preprocess, max(1, -(-stats_rows // kplan.preprocess.rows_a_cta(dv))))

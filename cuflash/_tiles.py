@@ -56,13 +56,12 @@ TC_FORWARD_TILES = {
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
 # TFLOP/s at seq 4096, 567 against 520 at 16k (overlap on top: 454 and 554), 8cbec78. Never
 # persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
+#
+# Packed (varlen) batches take the persistent form where a dense batch of their longest sequence
+# would. At 64 it won as it does dense (64 x 12 x 1024, causal: 492 -> 435 us, session 16); at
+# 128 it lost then (64 x 32/8 x 1024: 1790 -> 1830 us) and wins since the hd128 forward's
+# changes of session 21 (64 x 32/8 x 1024 2-4%, 64 x 32/8 x 512 9%: bench/NOTES.md, session 22).
 SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, True, False, 8), 256: (64, 2, False, True, False)}
-# Head dims whose packed (varlen) batches take the persistent form where the table above gives it
-# to a dense batch of their longest sequence. At 64 it won as it does dense (64 x 12 x 1024,
-# causal: 492 -> 435 us, 0.97x the dense call); at 128 it did not (64 x 32/8 x 1024: 1790 ->
-# 1830 us, where dense goes 1750 -> 1530; ncu at 32 x 16 x 512: the same instructions and
-# 10% more stall samples; bench/NOTES.md, session 16).
-SM90_VARLEN_PERSISTENT_HEAD_DIMS = (64,)
 
 
 # ---- backward -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tensor maps for the Hopper forward's bulk tensor copies (TMA), encoded through the driver.
+"""Tensor maps for the Hopper kernels' bulk tensor copies (TMA), encoded through the driver.
 
 ``cuTensorMapEncodeTiled`` is called through ctypes on ``libcuda`` (no extra dependency): a
 CUDA driver is present wherever a kernel can run. Each of q, k, v is described as a 3-D tensor
@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import struct
 from typing import Optional
 
 
@@ -73,9 +74,17 @@ def encode(ptr: int, cols: int, rows: int, row_stride: int, stride: int, count: 
     return bytes(out) if status == 0 else None
 
 
-# struct Sm90Maps in kernels/sm90.cuh: three maps, then the three slice strides (elements).
-SLICE_FORMAT = "<qqq"
-PARAM_BYTES = 448  # 3 * 128 + 24, rounded up to the struct's 64-byte alignment (a static_assert checks it)
+# struct Sm90Maps in kernels/sm90.cuh: three maps (q, k, v), then their slice strides
+# (elements); struct Bwd90Maps: four (q, k, v, dO), then theirs. Each is rounded up to the
+# struct's 64-byte alignment (a static_assert checks it).
+PARAM_BYTES = 448  # 3 * 128 + 24
+BWD_PARAM_BYTES = 576  # 4 * 128 + 32
+
+
+def param_block(raws, geometries, param_bytes: int) -> bytes:
+    """The maps' parameter block: the encoded maps, then each one's slice stride."""
+    payload = b"".join(raws) + struct.pack(f"<{len(geometries)}q", *(g[3] for g in geometries))
+    return payload + bytes(param_bytes - len(payload))
 
 
 def geometries(nq: int, nk: int, d: int, layout, row_strides, block_rows: int, block_cols: int) -> tuple:
@@ -89,3 +98,13 @@ def geometries(nq: int, nk: int, d: int, layout, row_strides, block_rows: int, b
         stride, count = slice_stride(layout.lead_shape, strides, group)
         out.append((d, n, row_stride, stride, count, box))
     return tuple(out)
+
+
+def backward_geometries(nq: int, nk: int, d: int, layout, row_strides, do_strides, block_rows: int,
+                        block_cols: int) -> tuple:
+    """``geometries`` for the wgmma backward's q, k, v and dO: q and dO in boxes of block_rows
+    (a query tile), k and v in boxes of block_cols (the CTA's keys); do_strides: dO's strides
+    over the layout's leading dims, then its row stride."""
+    q, k, v = geometries(nq, nk, d, layout, row_strides, block_rows, block_cols)
+    stride, count = slice_stride(layout.lead_shape, do_strides[:-1])
+    return q, k, v, (d, nq, do_strides[-1], stride, count, block_rows)

@@ -353,7 +353,9 @@ class HopperBackward(_Launch):
     the default for 16-bit d = dv in {64, 128} there (CUFLASH_WGMMA_BWD=0 or
     wgmma_backward(False) for the mma.sync pass). One CTA per 128 keys walks query tiles of 64;
     a producer warpgroup and two consumer warpgroups of 64 keys. With deterministic dQ the
-    mma.sync dQ kernel follows it."""
+    mma.sync dQ kernel follows it. ``tma``: one producer thread loads through tensor maps
+    (2-4% faster than the warpgroup's cp.async at every shape measured, bench/NOTES.md
+    session 22); packed batches, whose sequences share a head's rows, keep cp.async."""
 
     dtype: str
     head_dim: int  # d = dv = head_dim exactly (64 or 128)
@@ -363,6 +365,7 @@ class HopperBackward(_Launch):
     sparse: bool = False
     varlen: bool = False
     grouped: bool = False  # a CTA walks BwdParams.head_group query heads of a k/v head (GQA)
+    tma: bool = False  # bulk copies (tensor maps: cuflash/_tma.py), else cp.async; never varlen
 
     source = "flash_bwd_sm90.cu"
     key_prefix = "bwd_sm90"
@@ -388,7 +391,7 @@ class HopperBackward(_Launch):
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
-                         self.causal, self.sparse, self.varlen, self.grouped, self.smem_bytes())
+                         self.causal, self.sparse, self.varlen, self.grouped, self.tma, self.smem_bytes())
 
 
 class BackwardPlan(typing.NamedTuple):
@@ -519,4 +522,5 @@ def kernel_defines() -> dict:
         "CUFLASH_SM90_BWD_KEYS": HopperBackward.block_cols,
         "CUFLASH_SM90_BWD_WARPS": HopperBackward.warps,
         "CUFLASH_SM90_MAPS_BYTES": _tma.PARAM_BYTES,
+        "CUFLASH_SM90_BWD_MAPS_BYTES": _tma.BWD_PARAM_BYTES,
     }

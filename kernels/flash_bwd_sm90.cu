@@ -5,7 +5,9 @@
 // One CTA owns 128 keys and walks the query tiles of 64 rows that see them; three warpgroups:
 //   producer     warpgroup 0 copies K and V once, then per query tile Q, dO and the row
 //                statistics ((m, log2 l) and D, from flash_bwd_preprocess) into a ring of
-//                STAGES buffers (cp.async completing on mbarriers, as in flash_fwd_sm90.cu).
+//                STAGES buffers, completing on mbarriers as in flash_fwd_sm90.cu: with TMA one
+//                thread issues bulk copies (maps from cuflash/_tma.py), without all 128 issue
+//                16-byte cp.async (packed batches, and inputs the copy engine cannot map).
 //   consumers    warpgroups 1 and 2 own 64 keys each and keep their dK, dV in registers.
 //                Per query tile, everything transposed so that keys are the rows:
 //                  S^T  = K Q^T           wgmma, both from shared memory
@@ -95,9 +97,10 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
 // tile's stage and phase come from the tiles of the earlier items plus its own index), and
 // all three warpgroups meet between items, before K and V are replaced.
 template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool VARLEN, bool GROUPED,
-          int SMEM_BYTES>
+          bool TMA, int SMEM_BYTES>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
-flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b,
+                      const __grid_constant__ sm90::Bwd90Maps maps) {
     using L = Bwd90SmemLayout<HD, STAGES>;
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
     constexpr bool kDvUnderDs = HD == 64;  // dV's matmul runs while dS^T is formed (below)
@@ -111,6 +114,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     constexpr int kDqIssuer = 128;  // the thread that adds each dQ tile to dQ (ATOMIC_DQ): warpgroup 1's first
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
+    // TMA: the maps span a slice's rows, and past them the copy engine fills zeros. A packed
+    // batch's sequences share their head's rows, so its tiles would read the next sequence's.
+    static_assert(!(TMA && VARLEN), "packed batches load with cp.async");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -133,11 +139,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     if (bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = sm90::uniform_warpgroup(tid);
     if (tid == 0) {
-        sm90::mbarrier_init(bar.kv_full(), 128);
+        const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier
+        sm90::mbarrier_init(bar.kv_full(), loaders);
         for (int s = 0; s < STAGES; ++s) {
-            sm90::mbarrier_init(bar.full(s), 128);
+            sm90::mbarrier_init(bar.full(s), loaders);
             sm90::mbarrier_init(bar.empty(s), 8);  // one arrival a consumer warp
         }
+        if (TMA) sm90::fence_barrier_init();
     }
     __syncthreads();
 
@@ -160,7 +168,36 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
             const int n_tiles = tiles.count;
-            if (n_tiles > 0) {
+            if (TMA && n_tiles > 0) {
+                // One thread issues every copy: K and V in 64-column boxes of 128 rows, then per
+                // query tile Q and dO in boxes of 64 rows and the statistics as two plain bulk
+                // copies, each completing on its barrier with its byte count.
+                if (tid == 0) {
+                    sm90::mbarrier_expect_tx(bar.kv_full(), 2u * L::kv_bytes);
+                    sm90::tma_load_tile<kBwd90Keys, HD>(sK, &maps.k, (int)k0, (int)(g.k_head / maps.k_slice), bar.kv_full());
+                    sm90::tma_load_tile<kBwd90Keys, HD>(sV, &maps.v, (int)k0, (int)(g.v_head / maps.v_slice), bar.kv_full());
+#pragma unroll 1
+                    for (int j = 0; j < group; ++j) {
+                        const SliceGeometry gj = j == 0 ? g : slice_geometry<VARLEN>(p, bidx + j, b.nq_pad);
+                        const BwdSlice<T> head = bwd_slice<T, VARLEN>(p, b, gj, bidx + j);
+                        const int zq = (int)(gj.q_head / maps.q_slice);
+                        const int zdo = (int)(lead_offset(p, bidx + j, b.do_lead_stride) / maps.do_slice);
+                        for (int t = 0; t < n_tiles; ++t) {
+                            const u32 r = ring + t;
+                            const int s = r % STAGES;
+                            if (r >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((r / STAGES) & 1) ^ 1);
+                            const int q0 = tiles.tile(t) * kBwd90Rows;
+                            const u32 st = smem_addr(sStat + s * L::stat_floats);
+                            sm90::mbarrier_expect_tx(bar.full(s), 2u * L::q_bytes + 4u * L::stat_floats);
+                            sm90::tma_load_tile<kBwd90Rows, HD>(sQ + s * L::q_bytes, &maps.q, q0, zq, bar.full(s));
+                            sm90::tma_load_tile<kBwd90Rows, HD>(sDO + s * L::q_bytes, &maps.dout, q0, zdo, bar.full(s));
+                            sm90::bulk_load(st, head.lse2 + 2 * q0, 2 * kBwd90Rows * 4, bar.full(s));
+                            sm90::bulk_load(st + 2 * kBwd90Rows * 4, head.delta + q0, kBwd90Rows * 4, bar.full(s));
+                        }
+                        ring += n_tiles;
+                    }
+                }
+            } else if (n_tiles > 0) {
                 const int tid = item_thread_index<VARLEN>();
                 const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
                 sm90::load_tile_swizzled<kBwd90Keys, HD, 128>(sK, in.k, p.k_row_stride, k0, nk, p.d, tid);

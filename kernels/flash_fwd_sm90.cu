@@ -309,9 +309,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
                                         const Band& band, i64 q0, int tid, u32 sQ, u32 sK, u32 sV,
                                         Sm90Barriers<STAGES> bar, Sm90Ring ring) {
     const int n_tiles = tiles.count;
-    // Warp-uniform to the compiler at head dims 128 and 256 (2-3% and 4-6% faster at seq >= 4k;
-    // 1-2% slower at 64, bench/NOTES.md session 21).
-    const int warpgroup = HD != 64 ? sm90::uniform_warpgroup(tid) : tid / 128, ct = tid % 128, warp = ct / 32;
+    // Warp-uniform to the compiler at head dims 128 and 256 (2-3% and 4-6% faster at seq >= 4k)
+    // and in the persistent form at 64 (1-2%); the one-item form at 64 keeps tid / 128, with
+    // which it is 1-2% faster (bench/NOTES.md sessions 21 and 22).
+    const int warpgroup = HD != 64 || PERSISTENT ? sm90::uniform_warpgroup(tid) : tid / 128, ct = tid % 128, warp = ct / 32;
     Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar, ring};
     c.warpgroup = warpgroup;
     c.row0 = 64 * (warpgroup - 1);
@@ -430,7 +431,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const u32 sQ = base + L::q_offset, sK = base + L::k_offset, sV = base + L::v_offset;
     const Sm90Barriers<STAGES> bar{base + L::barrier_offset};
 
-    const int tid = threadIdx.x, warpgroup = HD != 64 ? sm90::uniform_warpgroup(tid) : tid / 128;  // as in consume
+    const int tid = threadIdx.x, warpgroup = HD != 64 || PERSISTENT ? sm90::uniform_warpgroup(tid) : tid / 128;  // as in consume
     // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
     // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at head dims
     // up to 128 (at 256 level: session 21), not for varlen grids (level or slower at

@@ -267,6 +267,19 @@ struct alignas(64) Sm90Maps {
     i64 q_slice, k_slice, v_slice;
 };
 static_assert(sizeof(Sm90Maps) == CUFLASH_SM90_MAPS_BYTES, "the parameter block cuflash/_tma.py packs");
+// The backward's: q and dO read in query tiles, k and v in key tiles, and their slice strides.
+struct alignas(64) Bwd90Maps {
+    TensorMap q, k, v, dout;
+    i64 q_slice, k_slice, v_slice, do_slice;
+};
+static_assert(sizeof(Bwd90Maps) == CUFLASH_SM90_BWD_MAPS_BYTES, "the parameter block cuflash/_tma.py packs");
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared
+// memory on the copy engine, completing on `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 
 // Copies the box at (x, y, z) of a 3-D tensor map into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 bar) {

@@ -150,7 +150,7 @@ def head_group_forced(form):
 @contextlib.contextmanager
 def tma_refused():
     """Inside the block the copy engine 'cannot map' any input, as for inputs it really cannot
-    take: the wgmma forward's launch falls back to its cp.async form. Plans are rebuilt on the
+    take: the wgmma forward's and backward's launches fall back to their cp.async forms. Plans are rebuilt on the
     way in and out (their generation changes), so cached ones neither hide nor keep it."""
     from cuflash import _config, _tma
 

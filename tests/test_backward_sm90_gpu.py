@@ -2,13 +2,16 @@
 H100/H200, against the float64 reference with the dense tests' error rule, with dQ added by
 vector atomics (head dim 64) and by bulk reductions (128). Skipped elsewhere."""
 
+import contextlib
+
 import pytest
 
 from conftest import requires_gpu, requires_wgmma
 from cuflash import _config, _variants
 from cuflash import masks as M
 from cuflash import reference as ref
-from gpu_util import check_backward, check_forward, head_group_forced, launched_variants, random_array, to_device
+from gpu_util import (check_backward, check_forward, head_group_forced, launched_variants, random_array, to_device,
+                      tma_refused)
 
 pytestmark = [requires_gpu, requires_wgmma, pytest.mark.usefixtures("poisoned_pool")]
 
@@ -42,6 +45,39 @@ def test_lengths(dtype, d, causal, deterministic, rng):
         k, v = (random_array(rng, (1, 2, nk, d), dtype) for _ in range(2))
         do = random_array(rng, (1, 2, nq, d), dtype)
         run_checked(q, k, v, do, dtype=dtype, causal=causal, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("loads", ("tma", "cp.async"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_every_load_form(d, loads, rng):
+    """The key pass loading through TMA (the default: one thread copies K, V, Q, dO and the
+    statistics) and through cp.async where the copy engine cannot map the inputs; one query
+    head a CTA and every query head of a k/v head a CTA (the maps' slice for each head in
+    turn). The inputs are (batch, heads, seq, d) views of (batch, seq, heads, d) arrays, so the
+    maps' slice strides are the heads' and their rows strided; both ends of the sequences are
+    ragged tiles."""
+    import cupy
+
+    import cuflash
+
+    dtype = "bfloat16"
+    q, do = (random_array(rng, (2, 8, 300, d), dtype) for _ in range(2))
+    k, v = (random_array(rng, (2, 2, 200, d), dtype) for _ in range(2))
+
+    def heads_inside(x):  # the same values as a view of a (batch, seq, heads, d) array
+        return cupy.ascontiguousarray(to_device(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    for form in (None, "all"):
+        refused = tma_refused() if loads == "cp.async" else contextlib.nullcontext()
+        with head_group_forced(form), launched_variants() as launched, refused, _config.wgmma_backward(True):
+            q_d, k_d, v_d, do_d = (heads_inside(x) for x in (q, k, v, do))
+            assert not q_d.flags.c_contiguous
+            out = cuflash.attention(q_d, k_d, v_d, causal=True)
+            grads = cuflash.attention_backward(do_d, q_d, k_d, v_d, *out, causal=True)
+        check_forward(out, q, k, v, causal=True, dtype=dtype)
+        check_backward(grads, do, q, k, v, causal=True, dtype=dtype)
+        forms = {(x.tma, x.grouped) for x in launched if isinstance(x, _variants.HopperBackward)}
+        assert forms == {(loads == "tma", form is not None)}
 
 
 @pytest.mark.parametrize("form", (None, "all", "half"), ids=("rule", "all_heads_a_cta", "half_the_heads_a_cta"))

@@ -142,12 +142,13 @@ def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):
     assert first["smem"] == plan.variant.smem_bytes() and first["block"] == (plan.variant.threads, 1, 1)
 
 
-@pytest.mark.parametrize("d,longest,persistent", ((64, 1000, True), (64, 1100, False), (128, 1000, False)))
-def test_packed_batches_take_the_persistent_grid_where_it_was_measured(fake_gpu, d, longest, persistent):
+@pytest.mark.parametrize("d,longest,persistent", ((64, 1000, True), (64, 1100, False), (128, 1000, True),
+                                                  (128, 1100, False), (256, 1000, False)))
+def test_packed_batches_take_the_persistent_grid_where_dense_ones_do(fake_gpu, d, longest, persistent):
     """A packed (varlen) forward is persistent, one CTA an SM walking (tile, sequence, head)
-    items, where a dense batch of its longest sequence would be and its head dim is listed in
-    _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS; its parameter block then says how many tiles an
-    item's x runs over (varlen_tiles, the last word); otherwise a grid of (tiles, slices)."""
+    items, where a dense batch of its longest sequence would be; its parameter block then says
+    how many tiles an item's x runs over (varlen_tiles, the last word); otherwise a grid of
+    (tiles, slices)."""
     heads, seqs, total = 4, 3, 2500
     shape = (heads, total, d)
     plan = _plan.varlen_forward_plan(shape, _contiguous(shape), shape, _contiguous(shape), shape, _contiguous(shape),
@@ -156,7 +157,7 @@ def test_packed_batches_take_the_persistent_grid_where_it_was_measured(fake_gpu,
     (launch,) = fake_gpu.launches
     tiles = -(-longest // 128)
     assert plan.kernel.variant.varlen and plan.kernel.variant.persistent == persistent
-    assert (d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS and tiles <= _tiles.SM90_FORWARD_TILES[d][-1]) == persistent
+    assert (_tiles.SM90_FORWARD_TILES[d][-1] is not False and tiles <= _tiles.SM90_FORWARD_TILES[d][-1]) == persistent
     words = struct.unpack(_params.FWD_PARAM_FORMAT, ctypes.string_at(plan.kernel.argv[0],
                                                                       struct.calcsize(_params.FWD_PARAM_FORMAT)))
     assert words[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] == (0x7000, 0x8000)
@@ -226,6 +227,35 @@ def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
     assert block[6] == 0x100000 + plan.grads[0].offset and block[-1] == 1
     reduce = fake_gpu.launches[-1]
     assert reduce["params"][0][:5] == (0x100000 + plan.grads[0].offset, 0x8000, 1, 256 * 64, 8)
+
+
+def test_backward_key_pass_loads_through_tensor_maps(fake_gpu):
+    """The wgmma key pass gets four tensor maps (struct Bwd90Maps: q, k, v, dO), each over its
+    own strides (here q a (batch, seq, heads, d) view), with each call's addresses."""
+    shape = (2, 4, 256, 64)
+    q_strides = (256 * 4 * 64, 64, 4 * 64, 1)
+    shapes = (shape,) * 5
+    strides = (_contiguous(shape), q_strides, _contiguous(shape), _contiguous(shape), _contiguous(shape))
+    stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
+    plan = _plan.backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
+    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    assert key_pass.variant.tma and len(key_pass.params) == 3
+    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    maps = list(key_pass.params[2])
+    assert maps[0:64:16] == [0x2000, 0x3000, 0x4000, 0x1000]  # q, k, v, dO
+    geometry = [maps[16 * i + 1:16 * i + 7] for i in range(4)]  # (cols, rows, row stride, slice stride, count, box)
+    assert geometry[0] == [64, 256, 4 * 64, 64, 256 * 4 + 4, 64]  # q: heads 64 elements apart
+    assert geometry[1] == geometry[2] == [64, 256, 64, 256 * 64, 8, 128]  # k, v: boxes of a CTA's keys
+    assert geometry[3] == [64, 256, 64, 256 * 64, 8, 64]  # dO: contiguous
+    assert maps[64:68] == [64, 256 * 64, 256 * 64, 256 * 64]  # the slice strides, as the kernel divides by them
+
+
+def test_backward_key_pass_without_maps_loads_with_cp_async(fake_gpu, monkeypatch):
+    monkeypatch.setattr(_tma, "encode", lambda *args: None)
+    plan = _backward()
+    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    assert not key_pass.variant.tma and plan.maps is None
+    assert not any(key_pass.params[2])  # the kernel's maps parameter, unread
 
 
 def test_grouped_heads_sum_dk_dv_in_the_reduce_kernel(fake_gpu):

@@ -5,7 +5,7 @@ and every argument check (the GPU tests are in test_varlen_gpu.py)."""
 import numpy as np
 import pytest
 
-from cuflash import _checks, _config, _constants, _plan, _tiles
+from cuflash import _checks, _config, _constants, _plan
 from cuflash import reference as ref
 
 
@@ -130,9 +130,9 @@ def test_varlen_variants_are_listed_and_persistent_where_measured(wgmma, dtype):
             for nq in (1, 512, 2**20):
                 variant = _config.forward_config(dtype, d, d, causal, wgmma=wgmma, nq=nq, varlen=True)
                 assert variant.varlen and variant.key.endswith("varlen") and variant.key in listed
-                # persistent as a dense batch of the longest sequence, at the head dims measured
+                # persistent as a dense batch of the longest sequence
                 dense = _config.forward_config(dtype, d, d, causal, wgmma=wgmma, nq=nq)
-                want = getattr(dense, "persistent", False) and d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS
+                want = getattr(dense, "persistent", False)
                 assert getattr(variant, "persistent", False) == want
                 assert not getattr(variant, "sparse", False)
             for deterministic in (False, True):

@@ -117,7 +117,7 @@ def test_wgmma_grids_of_long_and_short_sequences(d, longest, rng):
     from cuflash import _constants, _tiles, _variants
 
     heads = _constants.SLICE_GROUP + 4
-    persistent = -(-longest // 128) <= _tiles.SM90_FORWARD_TILES[d][-1] and d in _tiles.SM90_VARLEN_PERSISTENT_HEAD_DIMS
+    persistent = -(-longest // 128) <= _tiles.SM90_FORWARD_TILES[d][-1]
     # 1000 rows: the backward's grid is tile-major; 1100: not.
     assert -(-1000 // 128) <= _constants.TILE_MAJOR_VARLEN_BACKWARD_TILES < -(-1100 // 128)
     lengths = (longest, 0, 301)
