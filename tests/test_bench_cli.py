@@ -950,7 +950,7 @@ def test_kernel_variants():
     wgmma = common.device_has_wgmma()
     forms = 2 if wgmma else 1
     assert sum(k.startswith("fwd_") for k in keys) == 5 * forms + len(io.SWEEP_TILES) - (not wgmma)
-    assert sum(k.endswith("_sparse") for k in keys) == forms + 1  # its forward(s) and backward key pass
+    assert sum("_sparse" in k for k in keys) == forms + 1  # its forward(s) and backward key pass
     args = cli.parse_args(["--tables", "speed", "--hdims", "64", "--causal", "no", "--tiles",
                            "64,64,4,1"])
     assert [v.key.split("_")[0] for v in cli.kernel_variants(args)].count("fwd") == forms + 1
