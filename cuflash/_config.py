@@ -195,10 +195,10 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     ``varlen``: a packed variable-length batch, every kernel in its VARLEN form (never sparse);
     ``grouped``: a wgmma key pass walks several query heads of a k/v head
     (backward_head_group; never sparse); ``tma``: the copy engine can map q, k, v and dO (else
-    the wgmma key pass loads with cp.async, as it always does for packed batches)."""
+    the wgmma key pass loads with cp.async)."""
     if varlen:
         plan = backward_plan(dtype, d, dv, causal, deterministic, hopper=hopper, wgmma=wgmma,
-                             wgmma_backward_on=wgmma_backward_on, grouped=grouped, tma=False)
+                             wgmma_backward_on=wgmma_backward_on, grouped=grouped, tma=tma)
 
         def packed(kernel):
             return None if kernel is None else dataclasses.replace(kernel, varlen=True)

@@ -543,15 +543,10 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
                                lambda cols: -(-nk // cols), device_id)
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
-    maps = None
-    key_pass = kplan.key_passes[0]
-    if isinstance(key_pass, _variants.HopperBackward) and key_pass.tma:
-        maps = _Maps(_tma.backward_geometries(nq, nk, d, layout, row_strides, (*do_lead, strides[0][-2]),
-                                              key_pass.block_rows, key_pass.block_cols),
-                     (ptrs[1], ptrs[2], ptrs[3], ptrs[0]), _tma.BWD_PARAM_BYTES)
-        if not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
-            return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
-                                            deterministic, ptrs, tma=False)
+    maps = _backward_maps(kplan, nq, nk, d, layout, strides, ptrs)
+    if maps is not None and not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
+        return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
+                                        deterministic, ptrs, tma=False)
 
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
                                                group)
@@ -590,6 +585,19 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, None, tuple(kernels),
                         tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
                         fallback=functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
+
+
+def _backward_maps(kplan, nq, nk, d, layout, strides, ptrs):
+    """The tensor maps (q, k, v, dO) of a wgmma key pass that loads through them, else None;
+    strides and ptrs: of do, q, k, v, o. A packed batch's maps span every row of a head."""
+    key_pass = kplan.key_passes[0]
+    if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.tma):
+        return None
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+    do_strides = (*layout.extra_strides[0], strides[0][-2])
+    return _Maps(_tma.backward_geometries(nq, nk, d, layout, row_strides, do_strides, key_pass.block_rows,
+                                          key_pass.block_cols), (ptrs[1], ptrs[2], ptrs[3], ptrs[0]),
+                 _tma.BWD_PARAM_BYTES)
 
 
 def _backward_params(variant, block, bwd_block, maps):
@@ -753,7 +761,7 @@ def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_sha
 
 
 def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window, deterministic,
-                                    num_seqs, max_seqlen_q, max_seqlen_k, ptrs):
+                                    num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=True):
     """As _backward_signature_plan, for a varlen call (shapes: do, q, k, v, o)."""
     do_shape, q_shape, k_shape, v_shape, o_shape = shapes
     names = ("do", "q", "k", "v", "o")
@@ -780,10 +788,14 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic,
-                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), varlen=True)
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), varlen=True, tma=tma)
     nq_pad = varlen_stats_rows(total_q, num_seqs)  # per head
     kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
                                lambda cols: varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
+    maps = _backward_maps(kplan, total_q, total_k, d, layout, strides, ptrs)
+    if maps is not None and not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
+        return _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window,
+                                               deterministic, num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=False)
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad, group)
     kv_direct = grads[1].kind == "direct"
     zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
@@ -797,7 +809,7 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
         block = _words(forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))
         fwd_blocks.append(block)
         kernels.append(Kernel(variant, device_id, slice_grid(grid_x, slices),
-                              _backward_params(variant, block, bwd_block, None), d, dv))
+                              _backward_params(variant, block, bwd_block, maps), d, dv))
 
     stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
     add(kplan.preprocess, max(1, -(-stats_rows // kplan.preprocess.rows_a_cta(dv))))
@@ -806,8 +818,14 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     if kplan.dq is not None:
         add(kplan.dq, varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
     reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
+
+    def fallback():
+        return _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window,
+                                               deterministic, num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=False)
+
     plan = BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
-                        tuple(fwd_blocks), bwd_block, tuple(reduces))
+                        tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
+                        fallback=functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
     plan.varlen = True
     return plan
 

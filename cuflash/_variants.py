@@ -355,7 +355,7 @@ class HopperBackward(_Launch):
     a producer warpgroup and two consumer warpgroups of 64 keys. With deterministic dQ the
     mma.sync dQ kernel follows it. ``tma``: one producer thread loads through tensor maps
     (2-4% faster than the warpgroup's cp.async at every shape measured, bench/NOTES.md
-    session 22); packed batches, whose sequences share a head's rows, keep cp.async."""
+    session 22)."""
 
     dtype: str
     head_dim: int  # d = dv = head_dim exactly (64 or 128)
@@ -365,7 +365,7 @@ class HopperBackward(_Launch):
     sparse: bool = False
     varlen: bool = False
     grouped: bool = False  # a CTA walks BwdParams.head_group query heads of a k/v head (GQA)
-    tma: bool = False  # bulk copies (tensor maps: cuflash/_tma.py), else cp.async; never varlen
+    tma: bool = False  # bulk copies (tensor maps: cuflash/_tma.py), else cp.async
 
     source = "flash_bwd_sm90.cu"
     key_prefix = "bwd_sm90"

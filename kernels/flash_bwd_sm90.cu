@@ -7,7 +7,10 @@
 //                statistics ((m, log2 l) and D, from flash_bwd_preprocess) into a ring of
 //                STAGES buffers, completing on mbarriers as in flash_fwd_sm90.cu: with TMA one
 //                thread issues bulk copies (maps from cuflash/_tma.py), without all 128 issue
-//                16-byte cp.async (packed batches, and inputs the copy engine cannot map).
+//                16-byte cp.async (inputs the copy engine cannot map). The maps of a packed
+//                batch span a head's rows: a ragged tile reads the next sequence's rows where
+//                cp.async fills zeros, and those queries' P (m = +inf) and keys' P (masked)
+//                are 0 either way, as in the forward.
 //   consumers    warpgroups 1 and 2 own 64 keys each and keep their dK, dV in registers.
 //                Per query tile, everything transposed so that keys are the rows:
 //                  S^T  = K Q^T           wgmma, both from shared memory
@@ -114,9 +117,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     constexpr int kDqIssuer = 128;  // the thread that adds each dQ tile to dQ (ATOMIC_DQ): warpgroup 1's first
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
-    // TMA: the maps span a slice's rows, and past them the copy engine fills zeros. A packed
-    // batch's sequences share their head's rows, so its tiles would read the next sequence's.
-    static_assert(!(TMA && VARLEN), "packed batches load with cp.async");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -171,26 +171,30 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             if (TMA && n_tiles > 0) {
                 // One thread issues every copy: K and V in 64-column boxes of 128 rows, then per
                 // query tile Q and dO in boxes of 64 rows and the statistics as two plain bulk
-                // copies, each completing on its barrier with its byte count.
+                // copies, each completing on its barrier with its byte count. Rows are the map's:
+                // a packed sequence's start on.
                 if (tid == 0) {
+                    const int kv_row = (int)(g.k_start + k0);
                     sm90::mbarrier_expect_tx(bar.kv_full(), 2u * L::kv_bytes);
-                    sm90::tma_load_tile<kBwd90Keys, HD>(sK, &maps.k, (int)k0, (int)(g.k_head / maps.k_slice), bar.kv_full());
-                    sm90::tma_load_tile<kBwd90Keys, HD>(sV, &maps.v, (int)k0, (int)(g.v_head / maps.v_slice), bar.kv_full());
+                    sm90::tma_load_tile<kBwd90Keys, HD>(sK, &maps.k, kv_row, (int)(g.k_head / maps.k_slice), bar.kv_full());
+                    sm90::tma_load_tile<kBwd90Keys, HD>(sV, &maps.v, kv_row, (int)(g.v_head / maps.v_slice), bar.kv_full());
 #pragma unroll 1
                     for (int j = 0; j < group; ++j) {
                         const SliceGeometry gj = j == 0 ? g : slice_geometry<VARLEN>(p, bidx + j, b.nq_pad);
                         const BwdSlice<T> head = bwd_slice<T, VARLEN>(p, b, gj, bidx + j);
                         const int zq = (int)(gj.q_head / maps.q_slice);
-                        const int zdo = (int)(lead_offset(p, bidx + j, b.do_lead_stride) / maps.do_slice);
+                        const i64 do_head = VARLEN ? gj.head * b.do_lead_stride[kMaxLead - 1]
+                                                   : lead_offset(p, bidx + j, b.do_lead_stride);
+                        const int zdo = (int)(do_head / maps.do_slice);
                         for (int t = 0; t < n_tiles; ++t) {
                             const u32 r = ring + t;
                             const int s = r % STAGES;
                             if (r >= STAGES) sm90::mbarrier_wait(bar.empty(s), ((r / STAGES) & 1) ^ 1);
-                            const int q0 = tiles.tile(t) * kBwd90Rows;
+                            const int q0 = tiles.tile(t) * kBwd90Rows, q_row = (int)(gj.q_start + q0);
                             const u32 st = smem_addr(sStat + s * L::stat_floats);
                             sm90::mbarrier_expect_tx(bar.full(s), 2u * L::q_bytes + 4u * L::stat_floats);
-                            sm90::tma_load_tile<kBwd90Rows, HD>(sQ + s * L::q_bytes, &maps.q, q0, zq, bar.full(s));
-                            sm90::tma_load_tile<kBwd90Rows, HD>(sDO + s * L::q_bytes, &maps.dout, q0, zdo, bar.full(s));
+                            sm90::tma_load_tile<kBwd90Rows, HD>(sQ + s * L::q_bytes, &maps.q, q_row, zq, bar.full(s));
+                            sm90::tma_load_tile<kBwd90Rows, HD>(sDO + s * L::q_bytes, &maps.dout, q_row, zdo, bar.full(s));
                             sm90::bulk_load(st, head.lse2 + 2 * q0, 2 * kBwd90Rows * 4, bar.full(s));
                             sm90::bulk_load(st + 2 * kBwd90Rows * 4, head.delta + q0, kBwd90Rows * 4, bar.full(s));
                         }

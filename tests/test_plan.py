@@ -250,6 +250,26 @@ def test_backward_key_pass_loads_through_tensor_maps(fake_gpu):
     assert maps[64:68] == [64, 256 * 64, 256 * 64, 256 * 64]  # the slice strides, as the kernel divides by them
 
 
+def test_packed_backward_maps_span_every_row_of_a_head(fake_gpu):
+    """A packed batch's key pass loads through maps of (d, total rows, heads): the kernel adds
+    each sequence's first row to its tiles' rows."""
+    heads, kv_heads, total_q, total_k, d = 8, 2, 700, 650, 128
+    q, kv = (heads, total_q, d), (kv_heads, total_k, d)
+    shapes = (q, q, kv, kv, q)
+    strides = tuple(_contiguous(s) for s in shapes)
+    stats = (((heads, total_q), (total_q, 1), "float32"),) * 2
+    plan = _plan.varlen_backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, False, 3, 400, 400,
+                                      (0x1000,) * 5)
+    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    assert key_pass.variant.varlen and key_pass.variant.tma
+    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5, 0x200000, 0x300000)
+    maps = list(key_pass.params[2])
+    assert maps[0:64:16] == [0x2000, 0x3000, 0x4000, 0x1000]  # q, k, v, dO
+    geometry = [maps[16 * i + 1:16 * i + 7] for i in range(4)]
+    assert geometry[0] == geometry[3] == [d, total_q, d, total_q * d, heads, 64]
+    assert geometry[1] == geometry[2] == [d, total_k, d, total_k * d, kv_heads, 128]
+
+
 def test_backward_key_pass_without_maps_loads_with_cp_async(fake_gpu, monkeypatch):
     monkeypatch.setattr(_tma, "encode", lambda *args: None)
     plan = _backward()

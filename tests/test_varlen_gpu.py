@@ -13,6 +13,7 @@ from conftest import HAS_WGMMA, requires_gpu
 from gpu_util import DTYPES, head_group_forced, launched_variants, random_array, tma_refused, to_device
 from varlen_util import boundaries, check_backward, check_forward, packed_inputs
 from cuflash import reference as ref
+from cuflash import _variants
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("poisoned_pool")]
 
@@ -197,18 +198,29 @@ def test_transposed_total_heads_views_are_read_in_place(dtype, rng):
     host = [np.asarray(x.get()) for x in (q, k, v)]
     check_forward(out, *host, cu_q, cu_k, dtype=dtype, causal=True)
     do = to_device(random_array(rng, out.o.shape, dtype))
-    grads = cuflash.attention_backward(do, q, k, v, *out, causal=True, cu_seqlens_q=to_device(cu_q),
-                                       cu_seqlens_k=to_device(cu_k))
+    with launched_variants() as launched:
+        grads = cuflash.attention_backward(do, q, k, v, *out, causal=True, cu_seqlens_q=to_device(cu_q),
+                                           cu_seqlens_k=to_device(cu_k))
+    if HAS_WGMMA:  # the backward's maps too
+        assert [x.tma for x in launched if isinstance(x, _variants.HopperBackward)] == [True]
     check_backward(grads, np.asarray(do.get()), *host, cu_q, cu_k, dtype=dtype, causal=True)
 
 
-@pytest.mark.skipif(not HAS_WGMMA, reason="the wgmma forward's cp.async form")
+@pytest.mark.skipif(not HAS_WGMMA, reason="the wgmma kernels' cp.async forms")
 def test_cp_async_form_where_the_copy_engine_cannot_map(rng):
+    import cuflash
+
     q, k, v, cu_q, cu_k = packed_inputs(rng, "bfloat16", LENGTHS_Q, LENGTHS_K, d=128)
+    do = random_array(rng, q.shape, "bfloat16")
     with tma_refused(), launched_variants() as launched:
         out = run_forward(q, k, v, cu_q, cu_k, causal=True)
+        grads = cuflash.attention_backward(to_device(do), to_device(q), to_device(k), to_device(v), *out,
+                                           causal=True, cu_seqlens_q=to_device(cu_q), cu_seqlens_k=to_device(cu_k))
     assert not launched[0].tma and launched[0].varlen
+    key_passes = [x for x in launched if isinstance(x, _variants.HopperBackward)]
+    assert key_passes and not any(x.tma for x in key_passes) and all(x.varlen for x in key_passes)
     check_forward(out, q, k, v, cu_q, cu_k, dtype="bfloat16", causal=True)
+    check_backward(grads, do, q, k, v, cu_q, cu_k, dtype="bfloat16", causal=True)
 
 
 def test_max_seqlen_none_is_computed_from_the_boundaries(rng):
