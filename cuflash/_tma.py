@@ -1,11 +1,13 @@
 """Tensor maps for the Hopper kernels' bulk tensor copies (TMA), encoded through the driver.
 
 ``cuTensorMapEncodeTiled`` is called through ctypes on ``libcuda`` (no extra dependency): a
-CUDA driver is present wherever a kernel can run. Each of q, k, v is described as a 3-D tensor
-(head dim, rows, slices): a (batch..., head) slice of it starts at a multiple of the slice
-stride, the greatest common divisor of its leading strides, and the kernel computes which
-multiple from the same offsets the cp.async path uses. Rows past a slice's end are zero-filled
-by the copy engine, so ragged tiles never read the next slice.
+CUDA driver is present wherever a kernel can run. Each of q, k, v (and the backward's dO) is
+described as a 3-D tensor (head dim, rows, slices): a (batch..., head) slice of it starts at a
+multiple of the slice stride, the greatest common divisor of its leading strides, and the
+kernel computes which multiple from the same offsets the cp.async path uses. Rows past a
+slice's end are zero-filled by the copy engine, so ragged tiles never read the next slice. A
+packed (varlen) batch's slice is a head, whose rows hold every sequence: there a ragged tile
+reads the next sequence's rows, which the kernels mask.
 
 A tensor the copy engine cannot describe (a stride that is not a multiple of 16 bytes, a
 driver that refuses the encoding) gets ``None``; the caller then runs the cp.async variant.
