@@ -543,10 +543,15 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
                                lambda cols: -(-nk // cols), device_id)
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
-    maps = _backward_maps(kplan, nq, nk, d, layout, strides, ptrs)
-    if maps is not None and not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
+
+    @functools.lru_cache(maxsize=1)
+    def fallback():  # the cp.async form, for inputs the copy engine cannot map
         return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
                                         deterministic, ptrs, tma=False)
+
+    maps = _backward_maps(kplan, nq, nk, d, layout, row_strides, strides[0][-2], ptrs)
+    if maps is not None and not maps.ok:
+        return fallback()
 
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
                                                group)
@@ -577,24 +582,19 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
         add(kplan.dq, -(-nq // kplan.dq.block_rows))
 
     reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
-
-    def fallback():
-        return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
-                                        deterministic, ptrs, tma=False)
-
     return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, None, tuple(kernels),
                         tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
-                        fallback=functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
+                        fallback=fallback if maps is not None else None)
 
 
-def _backward_maps(kplan, nq, nk, d, layout, strides, ptrs):
+def _backward_maps(kplan, nq, nk, d, layout, row_strides, do_row_stride, ptrs):
     """The tensor maps (q, k, v, dO) of a wgmma key pass that loads through them, else None;
-    strides and ptrs: of do, q, k, v, o. A packed batch's maps span every row of a head."""
+    row_strides: of q, k, v; ptrs: of do, q, k, v, o. A packed batch's maps span every row of a
+    head."""
     key_pass = kplan.key_passes[0]
     if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.tma):
         return None
-    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
-    do_strides = (*layout.extra_strides[0], strides[0][-2])
+    do_strides = (*layout.extra_strides[0], do_row_stride)
     return _Maps(_tma.backward_geometries(nq, nk, d, layout, row_strides, do_strides, key_pass.block_rows,
                                           key_pass.block_cols), (ptrs[1], ptrs[2], ptrs[3], ptrs[0]),
                  _tma.BWD_PARAM_BYTES)
@@ -792,14 +792,19 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     nq_pad = varlen_stats_rows(total_q, num_seqs)  # per head
     kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
                                lambda cols: varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
-    maps = _backward_maps(kplan, total_q, total_k, d, layout, strides, ptrs)
-    if maps is not None and not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+
+    @functools.lru_cache(maxsize=1)
+    def fallback():  # the cp.async form, for inputs the copy engine cannot map
         return _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window,
                                                deterministic, num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=False)
+
+    maps = _backward_maps(kplan, total_q, total_k, d, layout, row_strides, strides[0][-2], ptrs)
+    if maps is not None and not maps.ok:
+        return fallback()
     grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad, group)
     kv_direct = grads[1].kind == "direct"
     zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
-    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
     do_lead, o_lead = layout.extra_strides[:2]
     bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", head_group=group)
     sparsity = (*(window or _checks.NO_WINDOW), *DENSE_TILES)
@@ -818,14 +823,9 @@ def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, ca
     if kplan.dq is not None:
         add(kplan.dq, varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
     reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
-
-    def fallback():
-        return _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window,
-                                               deterministic, num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=False)
-
     plan = BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
                         tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
-                        fallback=functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
+                        fallback=fallback if maps is not None else None)
     plan.varlen = True
     return plan
 

@@ -278,6 +278,32 @@ def test_backward_key_pass_without_maps_loads_with_cp_async(fake_gpu, monkeypatc
     assert not any(key_pass.params[2])  # the kernel's maps parameter, unread
 
 
+def test_backward_pointers_the_copy_engine_refuses_run_the_cp_async_form(fake_gpu, monkeypatch):
+    """Maps encoded per pointer tuple (not patchable): a call whose dO the copy engine refuses
+    runs the plan's cp.async form instead; the next mappable call runs the TMA form again."""
+    refused = 0x900000
+
+    def encode(ptr, *geometry):
+        return None if ptr == refused else _fake_encode(ptr, *geometry, patchable=False)
+
+    monkeypatch.setattr(_tma, "encode", encode)
+    plan = _backward()
+
+    def key_pass_funcs(call):
+        fake_gpu.launches.clear()
+        plan.run(*call, 0x100000, 5)
+        return [x["func"] for x in fake_gpu.launches]
+
+    mappable = tuple(0x1000 * (i + 1) for i in range(10))
+    tma_func = next(k.func for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    cp_async = next(k for k in plan.fallback().kernels if isinstance(k.variant, _variants.HopperBackward))
+    assert not cp_async.variant.tma and cp_async.func != tma_func
+    assert tma_func in key_pass_funcs(mappable)
+    funcs = key_pass_funcs((refused,) + mappable[1:])
+    assert cp_async.func in funcs and tma_func not in funcs
+    assert tma_func in key_pass_funcs(mappable)
+
+
 def test_grouped_heads_sum_dk_dv_in_the_reduce_kernel(fake_gpu):
     plan = _backward(kv_shape=(2, 2, 256, 64))
     assert [(g.kind, g.group) for g in plan.grads] == [("reduce", 1), ("reduce", 2), ("reduce", 2)]
