@@ -374,7 +374,7 @@ class HopperBackward(_Launch):
     warps = 12
     # Spills, all within the common budget since the warp-uniform warpgroup index (session 21):
     # none at head dim 64 or in bfloat16; float16 at 128 24 bytes in the block-sparse forms,
-    # 20-36 in the grouped ones (up to 64 before). The block-sparse ones at head dim 128
+    # 20-36 in the grouped ones (up to 64 before), with TMA none but causal grouped (16). The block-sparse ones at head dim 128
     # with atomic dQ spilled 132-204 while the partial tiles' block look-ups sat inside the P^T
     # loop; they are a mask built before it now (partial_tile_keep, mask.cuh).
 

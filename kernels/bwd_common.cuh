@@ -14,18 +14,22 @@ struct BwdSlice {
     const float *lse2, *delta;
 };
 
-// g: slice_geometry<VARLEN>(p, bidx, b.nq_pad). A varlen dO and O are (heads, total_q, dv),
-// strided like q.
+// Where slice bidx's head starts (elements) in dO or O, given its leading strides: a varlen
+// dO and O are (heads, total_q, dv), strided like q, so there it is head g.head's start.
+template <bool VARLEN>
+__device__ __forceinline__ i64 head_offset(const FwdParams& p, const SliceGeometry& g, i64 bidx,
+                                           const i64 (&lead_stride)[kMaxLead]) {
+    return VARLEN ? g.head * lead_stride[kMaxLead - 1] : lead_offset(p, bidx, lead_stride);
+}
+
+// g: slice_geometry<VARLEN>(p, bidx, b.nq_pad).
 template <typename T, bool VARLEN>
 __device__ __forceinline__ BwdSlice<T> bwd_slice(const FwdParams& p, const BwdParams& b, const SliceGeometry& g,
                                                  i64 bidx) {
-    i64 dout, out;
-    if constexpr (VARLEN) {
-        dout = g.head * b.do_lead_stride[kMaxLead - 1] + g.q_start * b.do_row_stride;
-        out = g.head * b.o_lead_stride[kMaxLead - 1] + g.q_start * b.o_row_stride;
-    } else {
-        dout = lead_offset(p, bidx, b.do_lead_stride);
-        out = lead_offset(p, bidx, b.o_lead_stride);
+    i64 dout = head_offset<VARLEN>(p, g, bidx, b.do_lead_stride), out = head_offset<VARLEN>(p, g, bidx, b.o_lead_stride);
+    if constexpr (VARLEN) {  // ... and its sequence's first row
+        dout += g.q_start * b.do_row_stride;
+        out += g.q_start * b.o_row_stride;
     }
     return {static_cast<const T*>(p.q) + g.q, static_cast<const T*>(p.k) + g.k, static_cast<const T*>(p.v) + g.v,
             static_cast<const T*>(b.dout) + dout, static_cast<const T*>(b.out) + out,

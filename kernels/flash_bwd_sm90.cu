@@ -183,9 +183,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         const SliceGeometry gj = j == 0 ? g : slice_geometry<VARLEN>(p, bidx + j, b.nq_pad);
                         const BwdSlice<T> head = bwd_slice<T, VARLEN>(p, b, gj, bidx + j);
                         const int zq = (int)(gj.q_head / maps.q_slice);
-                        const i64 do_head = VARLEN ? gj.head * b.do_lead_stride[kMaxLead - 1]
-                                                   : lead_offset(p, bidx + j, b.do_lead_stride);
-                        const int zdo = (int)(do_head / maps.do_slice);
+                        const int zdo = (int)(head_offset<VARLEN>(p, gj, bidx + j, b.do_lead_stride) / maps.do_slice);
                         for (int t = 0; t < n_tiles; ++t) {
                             const u32 r = ring + t;
                             const int s = r % STAGES;
