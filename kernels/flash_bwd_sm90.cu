@@ -23,7 +23,8 @@
 //                                         warpgroup computes 64 columns of dQ (head dim 128;
 //                                         at 64 warpgroup 1 does all) into a shared float32
 //                                         tile that one thread adds to dQ with one bulk
-//                                         reduction on the copy engine
+//                                         reduction on the copy engine (at head dim 64 with
+//                                         TMA, a lane of the producer's warp 1: kDqWarp)
 // dK (times scale) and dV are written once at the end, like flash_bwd_kernel's.
 #include "common.cuh"
 #include "mask.cuh"
@@ -115,6 +116,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // variable buffer address alone makes the atomic variants spill 72-88 bytes (0 without).
     constexpr bool kDoubleDs = HD == 64;
     constexpr int kDqIssuer = 128;  // the thread that adds each dQ tile to dQ (ATOMIC_DQ): warpgroup 1's first
+    // kDqWarp: at head dim 64 with TMA the producer's idle warp 1 adds each dQ tile instead
+    // (FA3's dQ warp): warpgroup 1 arrives on barrier 3 once the tile is in shared memory, the
+    // warp issues the bulk reduction, waits for its read and arrives on barrier 4, which
+    // warpgroup 1 waits on before the next tile's dS^T (so before it writes the dQ tile again).
+    // 1.3-3.6% faster at 64; at 128, where both warpgroups add dQ and wait on barrier 4 there,
+    // 2-5% slower (bench/NOTES.md, session 23).
+    constexpr bool kDqWarp = TMA && ATOMIC_DQ && HD == 64;
+    constexpr int kDqBarrierThreads = 128 + 32;  // warpgroup 1 and the dQ warp
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
     static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -156,6 +165,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     if (warpgroup == 0) {
         // ---- producer ----
         sm90::release_registers<kBwd90ProducerRegisters>();
+        if (kDqWarp && tid / 32 == 1) sm90::named_barrier_arrive<4, kDqBarrierThreads>();  // the tiles start free
         const SliceGeometry g = geometry();
         const i64 nq = g.nq, nk = g.nk;
         const Band band = g.band<CAUSAL>(p);
@@ -198,6 +208,24 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         }
                         ring += n_tiles;
                     }
+                } else if (kDqWarp && tid / 32 == 1) {
+                    // ---- the dQ warp: the same tiles in the same order as the consumers ----
+                    i64 dq_rows = g.rows;
+#pragma unroll 1
+                    for (int j = 0; j < group; ++j, dq_rows += p.nq)
+#pragma unroll 1
+                        for (int t = 0; t < n_tiles; ++t) {
+                            sm90::named_barrier_sync<3, kDqBarrierThreads>();
+                            if (tid == 32) {
+                                const i64 q0 = (i64)tiles.tile(t) * kBwd90Rows;
+                                const i64 rows = nq - q0 < kBwd90Rows ? nq - q0 : kBwd90Rows;
+                                sm90::bulk_reduce_add_f32(b.dq_acc + (dq_rows + q0) * p.d, sDQ_addr, (u32)(rows * HD * 4));
+                                sm90::bulk_commit();
+                                sm90::bulk_wait_read<0>();
+                            }
+                            __syncwarp();
+                            sm90::named_barrier_arrive<4, kDqBarrierThreads>();
+                        }
                 }
             } else if (n_tiles > 0) {
                 const int tid = item_thread_index<VARLEN>();
@@ -229,6 +257,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 cp_async_wait<0>();
             }
         }  // items
+        if (kDqWarp && tid == 32) sm90::bulk_wait<0>();  // every reduction done before the CTA's memory goes
     } else {
         // ---- consumers: 64 keys each ----
         sm90::claim_registers<kBwd90ConsumerRegisters>();
@@ -370,6 +399,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                     u32 ds_frag[4][4];
                     pack_frags<T>(acc_dp, ds_frag);
                     const u32 cDS = kDoubleDs ? sDS + s * L::ds_bytes : sDS;
+                    if (kDqWarp && warpgroup == 1) sm90::named_barrier_sync<4, kDqBarrierThreads>();
                     if (ATOMIC_DQ) store_ds<T>(cDS, acc_dp, row0, warp, lane);
                     sm90::fence_operand(acc_dk);
                     sm90::wgmma_fence();
@@ -385,7 +415,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         // faster backwards at head dim 128, bench/NOTES.md session 20; at 64, with
                         // the warp-uniform warpgroup index, session 21) --
                         sm90::fence_async_shared();
-                        if (tid == kDqIssuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
+                        if (!kDqWarp && tid == kDqIssuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
                         sm90::named_barrier_sync<1, 256>();
                         if (HD == 128 || warpgroup == 1) {
                             float acc_dq[8][4];
@@ -416,7 +446,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         // (kDoubleDs) the next tile writes the other buffer, and this one is written
                         // again two tiles on, after the next tile's barrier 1, which warpgroup 1
                         // reaches only after its dQ matmul on this buffer has been waited for.
-                        if (HD == 128 || warpgroup == 1) {
+                        if (kDqWarp && warpgroup == 1) {
+                            sm90::fence_async_shared();
+                            sm90::named_barrier_arrive<3, kDqBarrierThreads>();
+                        } else if (HD == 128 || warpgroup == 1) {
                             sm90::fence_async_shared();
                             sm90::named_barrier_sync<3, HD == 128 ? 256 : 128>();
                             if (tid == kDqIssuer) {
@@ -456,7 +489,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 }
             }
         }  // items
-        if constexpr (ATOMIC_DQ) {
+        if constexpr (kDqWarp) {
+            // the dQ warp's last arrival on barrier 4 (its first was before any tile)
+            if (warpgroup == 1) sm90::named_barrier_sync<4, kDqBarrierThreads>();
+        } else if constexpr (ATOMIC_DQ) {
             // every reduction done before the CTA's memory goes
             if (tid == kDqIssuer) sm90::bulk_wait<0>();
         }
