@@ -89,7 +89,7 @@ def head_dim_bucket(dim: int) -> int:
 
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
                    wgmma: bool = False, nq: typing.Optional[int] = None, tma: bool = True,
-                   slices: int = 1, varlen: bool = False):
+                   slices: int = 1, varlen: bool = False, row_tiles: typing.Optional[float] = None):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
@@ -101,7 +101,9 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     (query tiles x slices) in 32 bits, so past 2^31 items it runs one item a CTA.
     ``varlen``: a packed variable-length batch: the same tiles in their VARLEN form (never
     block-sparse), nq its longest sequence; on wgmma persistent where a dense batch of that
-    length would be.
+    length would be. ``row_tiles``: with ``sparse``, the mean number of key tiles a query tile
+    visits, which makes the wgmma forward persistent at any length where it is at most
+    _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES.
     """
     if varlen:
         variant = forward_config(dtype, d, dv, causal, tiles=tiles, wgmma=wgmma, nq=nq, tma=tma, slices=slices)
@@ -112,6 +114,9 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
         q_tiles = None if nq is None else -(-nq // HopperForward.block_rows)
         if not isinstance(persistent, bool):
             persistent = q_tiles is not None and q_tiles <= persistent
+        few_tiles = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES.get(d)
+        if sparse and row_tiles is not None and few_tiles is not None and row_tiles <= few_tiles:
+            persistent = True
         if q_tiles is not None and q_tiles * slices >= 2**31:
             persistent = False
         return HopperForward(dtype, d, *schedule, bool(tma), persistent, bool(causal), sparse=bool(sparse))

@@ -200,6 +200,13 @@ def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPA
     return struct.pack(_params.FWD_PARAM_FORMAT, *values)
 
 
+def sparse_row_tiles(mask, nq, nk, variant, causal, window) -> float:
+    """The mean number of key tiles a query tile of ``variant`` (a forward) visits under
+    ``mask`` (from its host tile lists, which the mask keeps)."""
+    counts = mask.tile_lists(nq, nk, variant.block_rows, variant.block_cols, causal=causal, window=window).counts
+    return float(counts.mean()) if counts.size else 0.0
+
+
 def sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, window):
     """The FwdParams fields after scale_log2 for one launch of ``variant``, and the device
     arrays they point at (the plan holds them).
@@ -355,6 +362,11 @@ def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_s
     cc = compute_capability(device_id)
     variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=_config.has_wgmma(cc),
                                      nq=nq, slices=num_batch, tma=tma)
+    row_tiles = None
+    if mask is not None and isinstance(variant, _variants.HopperForward):  # its tiles decide the form
+        row_tiles = sparse_row_tiles(mask, nq, nk, variant, causal, window)
+        variant = _config.forward_config(dtype, d, dv, causal, sparse=True, wgmma=True, nq=nq, slices=num_batch,
+                                         tma=tma, row_tiles=row_tiles)
     row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
     maps = None
     if isinstance(variant, _variants.HopperForward) and variant.tma:
@@ -362,7 +374,7 @@ def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_s
         if not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
             maps = None
             variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=True, nq=nq,
-                                             slices=num_batch, tma=False)
+                                             slices=num_batch, tma=False, row_tiles=row_tiles)
     with _device(device_id):
         sparsity, lists = sparsity_fields(mask, layout.extra_strides[-1] if mask is not None else (), nq, nk,
                                           variant, transpose=False, causal=causal, window=window)

@@ -63,6 +63,16 @@ TC_FORWARD_TILES = {
 # changes of session 21 (64 x 32/8 x 1024 2-4%, 64 x 32/8 x 512 9%: bench/NOTES.md, session 22).
 SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, True, False, 8), 256: (64, 2, False, True, False)}
 
+# A block-sparse forward whose query tiles visit at most this many key tiles on average runs
+# the persistent form at any length, per head dim: few key tiles an item leave a one-item CTA
+# mostly filling and draining its ring, which the persistent form overlaps with the next item.
+# Measured on the H200 (bench/NOTES.md, session 24; bf16, 128 x 128 blocks, persistent against
+# one item a CTA): hd64 2 x 32 x 8192 butterfly (7 tiles) 8.6% faster, local (5) 11.8%, random
+# (7.5) 0.8%; 16384 butterfly (8) 8.2%, local 13.5%; from 14 tiles level to 2% slower (random,
+# fixed, strided), dense 4-7% slower. hd128 (1 x 16 x 4096 / 16384) was level or slower on
+# every pattern (1-16%), so it has no entry.
+SM90_SPARSE_PERSISTENT_ROW_TILES = {64: 8}
+
 
 # ---- backward -----------------------------------------------------------------------------
 

@@ -168,3 +168,23 @@ def test_block_sparse(d, block_size, rng):
     for causal in (False, True):
         out = run(q, k, v, causal=causal, block_mask=mask)
         check_forward(out, q, k, v, causal=causal, dtype=dtype, mask=elements)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_sparse_forward_with_few_key_tiles_a_row_runs_persistent(d, rng):
+    """A block mask whose query tiles visit few key tiles takes the persistent form at any
+    length where _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES has an entry (head dim 64), one item
+    a CTA otherwise and for a denser mask; both exact."""
+    from cuflash import _tiles
+
+    dtype, n = "bfloat16", 2100  # 17 query tiles: the dense rule alone would not be persistent
+    tiles = -(-n // 128)
+    few = M.local(tiles, 1)  # at most 3 key tiles a row
+    many = M.BlockMask.from_dense(np.ones((tiles, tiles), bool) & ~np.eye(tiles, k=3, dtype=bool), 128)
+    q, k, v = (random_array(rng, (1, 2, n, d), dtype) for _ in range(3))
+    for mask, persistent in ((few, d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES), (many, False)):
+        with launched_variants() as launched:
+            out = run(q, k, v, block_mask=mask)
+        (variant,) = [x for x in launched if isinstance(x, _variants.HopperForward)]
+        assert variant.sparse and variant.persistent == persistent
+        check_forward(out, q, k, v, causal=False, dtype=dtype, mask=ref.element_mask(n, n, block_mask=mask))

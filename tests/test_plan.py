@@ -363,3 +363,26 @@ def test_a_failed_launch_names_the_variant(fake_gpu, monkeypatch):
                         raising=False)
     with pytest.raises(RuntimeError, match=rf"launching {plan.variant.key} failed: CUDA_ERROR_ILLEGAL_ADDRESS \(700\)"):
         plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+
+
+def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
+    """The rule of _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES: the mean key tiles a query tile
+    visits (from the mask's tile lists, causal and window included) at or under the entry
+    makes a long sparse forward persistent; above it, or without an entry, the length decides."""
+    from cuflash import masks
+
+    n = 64 * 128
+    dense_rule = _config.forward_config("bfloat16", 64, 64, False, sparse=True, wgmma=True, nq=n)
+    assert not dense_rule.persistent
+    variant = dense_rule  # its tiles: 128 queries x 128 keys
+    local = masks.local(64, 2)  # rows visit 3-5 key tiles
+    assert 3 <= _plan.sparse_row_tiles(local, n, n, variant, False, None) <= 5
+    assert _plan.sparse_row_tiles(masks.dense(64), n, n, variant, False, None) == 64
+    assert _plan.sparse_row_tiles(masks.dense(64), n, n, variant, True, None) == 32.5  # causal halves it
+    limit = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES[64]
+    for row_tiles, persistent in ((limit, True), (limit + 0.5, False)):
+        for d in (64, 128):
+            chosen = _config.forward_config("bfloat16", d, d, False, sparse=True, wgmma=True, nq=n, row_tiles=row_tiles)
+            assert chosen.persistent == (persistent and d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES)
+    dense = _config.forward_config("bfloat16", 64, 64, False, wgmma=True, nq=n, row_tiles=1)
+    assert not dense.persistent  # row_tiles speaks for block-sparse launches only
