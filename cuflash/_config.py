@@ -206,6 +206,8 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
                              wgmma_backward_on=wgmma_backward_on, grouped=grouped, tma=tma)
 
         def packed(kernel):
+            if isinstance(kernel, HopperBackward):
+                return dataclasses.replace(kernel, varlen=True, persistent=False)
             return None if kernel is None else dataclasses.replace(kernel, varlen=True)
 
         return BackwardPlan(packed(plan.preprocess), tuple(map(packed, plan.key_passes)), packed(plan.dq),
@@ -216,8 +218,11 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
     if wgmma and on and dtype in _constants.TENSOR_CORE_DTYPES and d == dv and d in (64, 128):
         dq_tiles = _tiles.TC_BACKWARD_DQ_TILES[d]
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *dq_tiles, causal, sparse)
-        key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse,
-                                  grouped=grouped and not sparse and not deterministic, tma=bool(tma))
+        grouped = grouped and not sparse and not deterministic
+        persistent = (d in _tiles.SM90_PERSISTENT_BACKWARD_DIMS and bool(tma) and not causal
+                      and not (sparse or grouped or deterministic))
+        key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse, grouped=grouped, tma=bool(tma),
+                                  persistent=persistent)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)
     if dtype == "float32":
         dim_tiles = -(-max(d, dv) // 32)

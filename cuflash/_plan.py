@@ -202,9 +202,10 @@ def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPA
 
 def sparse_row_tiles(mask, nq, nk, variant, causal, window) -> float:
     """The mean number of key tiles a query tile of ``variant`` (a forward) visits under
-    ``mask`` (from its host tile lists, which the mask keeps)."""
+    ``mask`` (from its host tile lists, which the mask keeps); nq > 0, as every plan that asks
+    has at least one query tile."""
     counts = mask.tile_lists(nq, nk, variant.block_rows, variant.block_cols, causal=causal, window=window).counts
-    return float(counts.mean()) if counts.size else 0.0
+    return float(counts.mean())
 
 
 def sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, window):
@@ -589,7 +590,13 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
 
     add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
     for variant in kplan.key_passes:  # one CTA per key tile (and group of heads): the transposed lists
-        add(variant, -(-nk // variant.block_cols), transpose=True, slices=num_batch // group)
+        key_tiles = -(-nk // variant.block_cols)
+        # Persistent: one CTA an SM walks every (key tile, slice), counted in 32 bits (2^31 items
+        # of 128 keys would be terabytes of K)
+        if getattr(variant, "persistent", False):
+            add(variant, min(key_tiles * num_batch, sm_count(device_id)), transpose=True, slices=1)
+        else:
+            add(variant, key_tiles, transpose=True, slices=num_batch // group)
     if kplan.dq is not None:  # one CTA per query tile
         add(kplan.dq, -(-nq // kplan.dq.block_rows))
 

@@ -76,6 +76,17 @@ SM90_SPARSE_PERSISTENT_ROW_TILES = {64: 8}
 
 # ---- backward -----------------------------------------------------------------------------
 
+# Head dims at which the wgmma key pass (kernels/flash_bwd_sm90.cu) runs persistent when not
+# causal: one CTA an SM walks the (key tile, slice) items, and its producer loads the next
+# item's K and V into a second buffer while the consumers finish this one, where one item a CTA
+# starts each CTA on an empty ring. Measured on the H200 (bench/NOTES.md, session 25; bf16,
+# one item a CTA -> persistent, two rounds each, us): 16 x 32 x 1024 x 64 1134-1140 -> 1072-1076
+# (5.6% faster), 4 x 32 x 4096 3520-3543 -> 3494-3508 (0.7%), 1 x 32 x 16384 13294-13387 ->
+# 13273-13276 (0.5%). Causal it lost 6-14% (4 x 32 x 4096 1955-1983 -> 2242, 1 x 32 x 16384
+# 6738-6867 -> 7240): a fixed round-robin of items of unequal length, which one item a CTA
+# leaves to the hardware. At head dim 128 a second K and V (64 KB) does not fit beside the ring.
+SM90_PERSISTENT_BACKWARD_DIMS = (64,)
+
 # (query rows per tile, keys per CTA, warps, min_blocks, warps along S's queries, along dK/dV's
 # keys, along dQ's queries) of flash_bwd_kernel per bucket. Per thread, dK and dV cost
 # block_cols * head_dim / (32 * warps) fp32 registers each; above 128 the two are computed in

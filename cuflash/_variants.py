@@ -351,7 +351,8 @@ class Float32BackwardDq(_Launch):
 class HopperBackward(_Launch):
     """The key-tile pass of the backward on wgmma, sm_90a only (kernels/flash_bwd_sm90.cu);
     the default for 16-bit d = dv in {64, 128} there (CUFLASH_WGMMA_BWD=0 or
-    wgmma_backward(False) for the mma.sync pass). One CTA per 128 keys walks query tiles of 64;
+    wgmma_backward(False) for the mma.sync pass). One CTA per 128 keys (``persistent``: one CTA an
+    SM walking every 128 keys of every slice) walks query tiles of 64;
     a producer warpgroup and two consumer warpgroups of 64 keys. With deterministic dQ the
     mma.sync dQ kernel follows it. ``tma``: one producer thread loads through tensor maps
     (2-4% faster than the warpgroup's cp.async at every shape measured, bench/NOTES.md
@@ -366,6 +367,7 @@ class HopperBackward(_Launch):
     varlen: bool = False
     grouped: bool = False  # a CTA walks BwdParams.head_group query heads of a k/v head (GQA)
     tma: bool = False  # bulk copies (tensor maps: cuflash/_tma.py), else cp.async
+    persistent: bool = False  # one CTA an SM walks (key tile, slice) items, loading the next K, V early
 
     source = "flash_bwd_sm90.cu"
     key_prefix = "bwd_sm90"
@@ -386,14 +388,17 @@ class HopperBackward(_Launch):
 
     def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
         hd, br, bc = self.head_dim, self.block_rows, self.block_cols
-        tiles = 2 * (2 * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
+        kv_buffers = 2 if self.persistent else 1  # persistent: the next item's K, V load early
+        tiles = 2 * (2 * kv_buffers * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
         dq_tile = 4 * br * hd  # fp32, atomic dQ's tile before its bulk reduction
-        return tiles + self.stages * 3 * br * 4 + dq_tile + 8 * (1 + 2 * self.stages) + 1024
+        barriers = 1 + 2 * self.stages + (3 if self.persistent else 0)
+        return tiles + self.stages * 3 * br * 4 + dq_tile + 8 * barriers + 1024
 
     @property
     def name_expression(self) -> str:
         return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
-                         self.causal, self.sparse, self.varlen, self.grouped, self.tma, self.smem_bytes())
+                         self.causal, self.sparse, self.varlen, self.grouped, self.tma, self.persistent,
+                         self.smem_bytes())
 
 
 class BackwardPlan(typing.NamedTuple):

@@ -26,6 +26,9 @@
 //                                         reduction on the copy engine (at head dim 64 with
 //                                         TMA, a lane of the producer's warp 1: kDqWarp)
 // dK (times scale) and dV are written once at the end, like flash_bwd_kernel's.
+// PERSISTENT (head dim 64, dense, not causal: cuflash/_tiles.py): one CTA an SM walks the
+// (key tile, slice) items; K and V alternate between two buffers, so the producer loads the next
+// item's while the consumers finish this one and store its dK and dV.
 #include "common.cuh"
 #include "mask.cuh"
 #include "sm90.cuh"
@@ -43,31 +46,35 @@ constexpr int kBwd90ProducerRegisters = 40, kBwd90ConsumerRegisters = 232;
 static_assert(128 * kBwd90ProducerRegisters + 256 * kBwd90ConsumerRegisters <= 168 * kBwd90Threads,
               "register budget");
 
-template <int HD, int STAGES>
+template <int HD, int STAGES, bool PERSISTENT>
 struct Bwd90SmemLayout {
     static constexpr int kv_bytes = kBwd90Keys * HD * 2;   // K, and V
+    // PERSISTENT: two K / V buffers (item n in buffer n % 2), so the next item's load overlaps this one
+    static constexpr int kv_buffers = PERSISTENT ? 2 : 1;
     static constexpr int q_bytes = kBwd90Rows * HD * 2;    // Q, and dO, per stage
     static constexpr int ds_bytes = kBwd90Keys * kBwd90Rows * 2;
     static constexpr int stat_floats = 3 * kBwd90Rows;     // (m, log2 l) pairs, then D
     static constexpr int k_offset = 0;
     static constexpr int v_offset = kv_bytes;
-    static constexpr int q_offset = 2 * kv_bytes;
+    static constexpr int q_offset = 2 * kv_buffers * kv_bytes;
     static constexpr int do_offset = q_offset + STAGES * q_bytes;
     static constexpr int ds_offset = do_offset + STAGES * q_bytes;
     static constexpr int stat_offset = ds_offset + 2 * ds_bytes;  // dS^T double-buffered (by tile parity)
     static constexpr int dq_offset = stat_offset + STAGES * stat_floats * 4;  // fp32 dQ tile (ATOMIC_DQ)
     static constexpr int dq_bytes = kBwd90Rows * HD * 4;
     static constexpr int barrier_offset = dq_offset + dq_bytes;
-    static constexpr int barriers = 1 + 2 * STAGES;  // K/V loaded; per stage, loaded and read
+    // K/V loaded; per stage, loaded and read; PERSISTENT: the second K/V buffer loaded, both read
+    static constexpr int barriers = 1 + 2 * STAGES + (PERSISTENT ? 3 : 0);
     static constexpr int bytes = barrier_offset + 8 * barriers + 1024;
 };
 
 template <int STAGES>
 struct Bwd90Barriers {
     u32 base;
-    __device__ __forceinline__ u32 kv_full() const { return base; }
+    __device__ __forceinline__ u32 kv_full(int kb = 0) const { return kb == 0 ? base : base + 8 * (1 + 2 * STAGES); }
     __device__ __forceinline__ u32 full(int s) const { return base + 8 * (1 + s); }
     __device__ __forceinline__ u32 empty(int s) const { return base + 8 * (1 + STAGES + s); }
+    __device__ __forceinline__ u32 kv_empty(int kb) const { return base + 8 * (2 + 2 * STAGES + kb); }
 };
 
 // dS^T of one warpgroup (its 64 keys from key row0) into the shared tile the dQ matmul reads:
@@ -96,16 +103,58 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
         }
 }
 
+// PERSISTENT (dense, one CTA an SM): item i of this CTA is pair blockIdx.x + i * gridDim.x of the
+// n_k_tiles x num_batch (key tile, slice) pairs, slices outermost, so that the CTAs at work share
+// a head's Q and dO in L2 (causal: key tiles outermost, the first ones, which see the most
+// queries, first). False past the last.
+template <bool CAUSAL>
+__device__ __forceinline__ bool persistent_item(const FwdParams& p, int n_k_tiles, u32 i, i64& bidx, int& key_tile) {
+    const u32 slices = (u32)p.num_batch, tiles = (u32)n_k_tiles;  // the host keeps tiles x slices < 2^31
+    const u32 item = blockIdx.x + i * gridDim.x;
+    bidx = CAUSAL ? item % slices : item / tiles;
+    key_tile = (int)(CAUSAL ? item / slices : item % tiles);
+    return item < tiles * slices;
+}
+
+// Runs body(geometry, band, slice, key tile) on the CTA's items, in order: with PERSISTENT
+// persistent_item's walk, each item's geometry read anew (the slices are dense, alike); without,
+// slice.cuh's item loop of the CTA's slice (one item unless VARLEN), its geometry read once and
+// the warpgroups meeting between items, before K and V are replaced.
+template <bool CAUSAL, bool VARLEN, bool PERSISTENT, typename Geometry, typename Body>
+__device__ __forceinline__ void walk_bwd_items(const FwdParams& p, const GridCell& cell, i64 bidx, Geometry geometry,
+                                               Body&& body) {
+    if constexpr (PERSISTENT) {
+        const int n_k_tiles = tiles_of(geometry(0).nk, kBwd90Keys);
+        i64 item_bidx;
+        int key_tile;
+#pragma unroll 1
+        for (u32 i = 0; persistent_item<CAUSAL>(p, n_k_tiles, i, item_bidx, key_tile); ++i) {
+            const SliceGeometry g = geometry(item_bidx);
+            body(g, g.band<CAUSAL>(p), item_bidx, key_tile);
+        }
+    } else {
+        const SliceGeometry g = geometry(bidx);
+        const Band band = g.band<CAUSAL>(p);
+        const int n_k_tiles = tiles_of(g.nk, kBwd90Keys);
+#pragma unroll 1
+        for (int item = first_item<VARLEN>(cell.tile); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
+            if (item != first_item<VARLEN>(cell.tile)) __syncthreads();
+            body(g, band, bidx, VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile);
+        }
+    }
+}
+
 // VARLEN: a packed variable-length batch (slice.cuh): the CTA walks the key tiles of its
 // sequence that its grid position names. Its ring of Q / dO stages counts on across them (a
 // tile's stage and phase come from the tiles of the earlier items plus its own index), and
 // all three warpgroups meet between items, before K and V are replaced.
 template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool VARLEN, bool GROUPED,
-          bool TMA, int SMEM_BYTES>
+          bool TMA, bool PERSISTENT, int SMEM_BYTES>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b,
                       const __grid_constant__ sm90::Bwd90Maps maps) {
-    using L = Bwd90SmemLayout<HD, STAGES>;
+    using L = Bwd90SmemLayout<HD, STAGES, PERSISTENT>;
+    static_assert(!PERSISTENT || (TMA && !VARLEN && !GROUPED && !SPARSE), "the persistent form: dense, through TMA");
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
     constexpr bool kDvUnderDs = HD == 64;  // dV's matmul runs while dS^T is formed (below)
     // dP^T's matmul runs while P^T is formed (+2-3% at head dim 64); at 128 its accumulators in
@@ -144,12 +193,17 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // Causal: the first key tiles see the most queries; the cell is tile-major (slice.cuh), with
     // its own bound for packed batches.
     const GridCell cell = grid_cell(CAUSAL, VARLEN ? kTileMajorVarlenBackward : kTileMajorBackward);
-    const i64 bidx = cell.slice * group;
-    if (bidx >= p.num_batch) return;
+    const i64 bidx = cell.slice * group;  // without PERSISTENT, the CTA's (first) slice
+    if (!PERSISTENT && bidx >= p.num_batch) return;
     const int tid = threadIdx.x, warpgroup = sm90::uniform_warpgroup(tid);
     if (tid == 0) {
         const u32 loaders = TMA ? 1 : 128;  // who arrives on a "full" barrier
         sm90::mbarrier_init(bar.kv_full(), loaders);
+        if (PERSISTENT) {
+            sm90::mbarrier_init(bar.kv_full(1), loaders);
+            sm90::mbarrier_init(bar.kv_empty(0), 8);  // one arrival a consumer warp
+            sm90::mbarrier_init(bar.kv_empty(1), 8);
+        }
         for (int s = 0; s < STAGES; ++s) {
             sm90::mbarrier_init(bar.full(s), loaders);
             sm90::mbarrier_init(bar.empty(s), 8);  // one arrival a consumer warp
@@ -159,22 +213,16 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     __syncthreads();
 
     // Each side takes the geometry itself: a dense producer's offsets (64-bit divisions) stay
-    // out of the consumers' code.
-    auto geometry = [&] { return slice_geometry<VARLEN>(p, bidx, b.nq_pad); };
-
+    // out of the consumers' code. Without PERSISTENT the CTA's slice is fixed and its geometry
+    // read once; a persistent launch is dense, every slice alike, and reads each item's.
+    auto geometry = [&](i64 slice) { return slice_geometry<VARLEN>(p, slice, b.nq_pad); };
     if (warpgroup == 0) {
         // ---- producer ----
         sm90::release_registers<kBwd90ProducerRegisters>();
         if (kDqWarp && tid / 32 == 1) sm90::named_barrier_arrive<4, kDqBarrierThreads>();  // the tiles start free
-        const SliceGeometry g = geometry();
-        const i64 nq = g.nq, nk = g.nk;
-        const Band band = g.band<CAUSAL>(p);
-        const int n_k_tiles = tiles_of(nk, kBwd90Keys);
-        u32 ring = 0;  // query tiles of the earlier items
-#pragma unroll 1
-        for (int item = first_item<VARLEN>(cell.tile); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-            if (item != first_item<VARLEN>(cell.tile)) __syncthreads();  // the consumers are done with K and V
-            const int key_tile = VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile;
+        u32 ring = 0, kv_loads = 0;  // query tiles and K / V loads of the earlier items
+        walk_bwd_items<CAUSAL, VARLEN, PERSISTENT>(p, cell, bidx, geometry, [&](const SliceGeometry& g, const Band& band, const i64 bidx, const int key_tile) {
+            const i64 nq = g.nq, nk = g.nk;
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
             const int n_tiles = tiles.count;
@@ -184,10 +232,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 // copies, each completing on its barrier with its byte count. Rows are the map's:
                 // a packed sequence's start on.
                 if (tid == 0) {
-                    const int kv_row = (int)(g.k_start + k0);
-                    sm90::mbarrier_expect_tx(bar.kv_full(), 2u * L::kv_bytes);
-                    sm90::tma_load_tile<kBwd90Keys, HD>(sK, &maps.k, kv_row, (int)(g.k_head / maps.k_slice), bar.kv_full());
-                    sm90::tma_load_tile<kBwd90Keys, HD>(sV, &maps.v, kv_row, (int)(g.v_head / maps.v_slice), bar.kv_full());
+                    const int kv_row = (int)(g.k_start + k0), kb = PERSISTENT ? (int)(kv_loads & 1) : 0;
+                    const u32 cK = sK + kb * 2 * L::kv_bytes;
+                    // PERSISTENT: the buffer's last item (two loads back) is done with it
+                    if (PERSISTENT && kv_loads >= 2) sm90::mbarrier_wait(bar.kv_empty(kb), ((kv_loads >> 1) - 1) & 1);
+                    sm90::mbarrier_expect_tx(bar.kv_full(kb), 2u * L::kv_bytes);
+                    sm90::tma_load_tile<kBwd90Keys, HD>(cK, &maps.k, kv_row, (int)(g.k_head / maps.k_slice), bar.kv_full(kb));
+                    sm90::tma_load_tile<kBwd90Keys, HD>(cK + L::kv_bytes, &maps.v, kv_row, (int)(g.v_head / maps.v_slice),
+                                                        bar.kv_full(kb));
 #pragma unroll 1
                     for (int j = 0; j < group; ++j) {
                         const SliceGeometry gj = j == 0 ? g : slice_geometry<VARLEN>(p, bidx + j, b.nq_pad);
@@ -256,20 +308,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 }  // heads
                 cp_async_wait<0>();
             }
-        }  // items
+            if (n_tiles > 0) ++kv_loads;
+        });
         if (kDqWarp && tid == 32) sm90::bulk_wait<0>();  // every reduction done before the CTA's memory goes
     } else {
         // ---- consumers: 64 keys each ----
         sm90::claim_registers<kBwd90ConsumerRegisters>();
-        const SliceGeometry g = geometry();
-        const i64 nq = g.nq, nk = g.nk;
-        const Band band = g.band<CAUSAL>(p);
-        const int n_k_tiles = tiles_of(nk, kBwd90Keys);
         u32 ring = 0, kv_round = 0;  // query tiles and K / V loads of the earlier items
-#pragma unroll 1
-        for (int item = first_item<VARLEN>(cell.tile); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-            if (item != first_item<VARLEN>(cell.tile)) __syncthreads();  // this item's K and V may be loaded
-            const int key_tile = VARLEN ? item_tile<VARLEN, false>(item, n_k_tiles) : cell.tile;
+        walk_bwd_items<CAUSAL, VARLEN, PERSISTENT>(p, cell, bidx, geometry, [&](const SliceGeometry& g, const Band& band, const i64 bidx, const int key_tile) {
+            const i64 nq = g.nq, nk = g.nk;
             const i64 k0 = (i64)key_tile * kBwd90Keys;
             const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, k0, kBwd90Keys, kBwd90Rows, nq, nk);
             const int n_tiles = tiles.count;
@@ -288,8 +335,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
 
+            // PERSISTENT: this item's K / V buffer (the producer alternates them)
+            const int kb = PERSISTENT ? (int)(kv_round & 1) : 0;
+            const u32 sK = base + L::k_offset + kb * 2 * L::kv_bytes, sV = sK + L::kv_bytes;
             if (n_tiles > 0) {
-                sm90::mbarrier_wait(bar.kv_full(), kv_round & 1);
+                sm90::mbarrier_wait(bar.kv_full(kb), (PERSISTENT ? kv_round >> 1 : kv_round) & 1);
                 sm90::fence_async_shared();
             }
             i64 dq_rows = g.rows;  // the head's first row of dQ's accumulator
@@ -471,7 +521,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 }
                 ring += n_tiles;
             }  // heads
-            if (n_tiles > 0) ++kv_round;
+            if (n_tiles > 0) {
+                // PERSISTENT: every wgmma that read this K / V has been waited for: the producer
+                // may load the item after next into the buffer
+                if (PERSISTENT && lane == 0) sm90::mbarrier_arrive(bar.kv_empty(kb));
+                ++kv_round;
+            }
 
             // -- dK (times scale) and dV, once: rows of the slice over q's heads / group --
             const i64 kv_rows = !GROUPED ? g.kv_rows
@@ -488,7 +543,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                                   acc_dv[n][2 * h], acc_dv[n][2 * h + 1]);
                 }
             }
-        }  // items
+        });
         if constexpr (kDqWarp) {
             // the dQ warp's last arrival on barrier 4 (its first was before any tile)
             if (warpgroup == 1) sm90::named_barrier_sync<4, kDqBarrierThreads>();

@@ -144,3 +144,17 @@ def test_causal_grids_walk_groups_of_slices_tile_by_tile(d, rng):
     backwards = [x for x in launched if isinstance(x, _variants.HopperBackward)]
     assert forwards and not any(x.persistent for x in forwards) and all(x.causal for x in forwards)
     assert backwards and all(x.causal and not x.varlen for x in backwards)
+
+
+def test_persistent_key_pass_walks_many_items_a_cta(rng):
+    """The persistent key pass (head dim 64, not causal: _tiles.SM90_PERSISTENT_BACKWARD_DIMS):
+    3 key tiles (the last ragged) x 332 heads are 996 items, 7-8 a CTA on 132 SMs, so each of
+    its two K, V buffers is refilled several times (their release barriers' phases turn over)
+    while the ring of query tiles counts on across items; fewer queries than keys, ragged too."""
+    dtype = "bfloat16"
+    q, do = (random_array(rng, (4, 83, 250, 64), dtype) for _ in range(2))
+    k, v = (random_array(rng, (4, 83, 300, 64), dtype) for _ in range(2))
+    with launched_variants() as launched:
+        run_checked(q, k, v, do, dtype=dtype)
+    backwards = [x for x in launched if isinstance(x, _variants.HopperBackward)]
+    assert backwards and all(x.persistent and not x.causal for x in backwards)

@@ -206,13 +206,36 @@ def test_bad_shapes_raise_the_same_error_with_neighbours_cached(fake_gpu):
     assert str(before.value) == str(after.value) and "head dim" in str(before.value)
 
 
-def _backward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", deterministic=False):
+def _backward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", deterministic=False, causal=False):
     kv_shape = kv_shape or shape
     shapes = (shape, shape, kv_shape, kv_shape, shape)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
-    return _plan.backward_plan(shapes, strides, dtype, stats, 0, False, None, None, None, deterministic,
+    return _plan.backward_plan(shapes, strides, dtype, stats, 0, causal, None, None, None, deterministic,
                                (0x1000,) * 5)
+
+
+def _key_pass(plan):
+    return next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+
+
+@pytest.mark.parametrize("shape,items", (((2, 4, 256, 64), 16), ((4, 32, 1024, 64), 1024)))
+def test_backward_key_pass_is_persistent_at_head_dim_64_when_not_causal(fake_gpu, shape, items):
+    """At the head dims of _tiles.SM90_PERSISTENT_BACKWARD_DIMS a dense key pass that is not
+    causal runs one CTA an SM over its (key tile, slice) items, or one a CTA where there are
+    fewer; causal, head dim 128, deterministic and cp.async key passes take a CTA an item."""
+    assert _tiles.SM90_PERSISTENT_BACKWARD_DIMS == (64,)
+    key_pass = _key_pass(_backward(shape))
+    assert key_pass.variant.persistent and key_pass.variant.tma
+    assert key_pass.grid == (min(items, 132), 1, 1)
+    # a second K and V (128 keys x 64, 16-bit) and three barriers
+    assert key_pass.smem == _key_pass(_backward(shape, causal=True)).smem + 2 * 128 * 64 * 2 + 3 * 8
+    for plan in (_backward(shape, causal=True), _backward(shape[:-1] + (128,)), _backward(shape, deterministic=True)):
+        key_pass = _key_pass(plan)
+        assert not key_pass.variant.persistent
+        assert key_pass.grid[0] == -(-shape[2] // 128) and key_pass.grid[1] == shape[0] * shape[1]
+    for kwargs in (dict(sparse=True), dict(varlen=True), dict(grouped=True), dict(tma=False)):
+        assert not _config.backward_plan("bfloat16", 64, 64, False, False, wgmma=True, **kwargs).key_passes[0].persistent
 
 
 def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
