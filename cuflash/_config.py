@@ -287,6 +287,9 @@ def all_backward_variants(hopper: bool = True, wgmma: bool = False):
                                 for kernel in (*plan.key_passes, plan.dq):
                                     if kernel is not None:
                                         variants[kernel.key] = kernel
+                                    if getattr(kernel, "persistent", False):  # past 2^31 items: one a CTA
+                                        fallback = dataclasses.replace(kernel, persistent=False)
+                                        variants[fallback.key] = fallback
     for causal in (False, True):
         for dtype in _constants.SUPPORTED_DTYPES:
             f32_dims = range(32, _constants.MAX_HEAD_DIM + 1, 32)

@@ -591,10 +591,11 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
     for variant in kplan.key_passes:  # one CTA per key tile (and group of heads): the transposed lists
         key_tiles = -(-nk // variant.block_cols)
-        # Persistent: one CTA an SM walks every (key tile, slice), counted in 32 bits (2^31 items
-        # of 128 keys would be terabytes of K)
-        if getattr(variant, "persistent", False):
-            add(variant, min(key_tiles * num_batch, sm_count(device_id)), transpose=True, slices=1)
+        items = key_tiles * num_batch
+        if getattr(variant, "persistent", False) and items >= 2**31:  # the walk counts items in 32 bits
+            variant = dataclasses.replace(variant, persistent=False)  # (k broadcast over many slices)
+        if getattr(variant, "persistent", False):  # one CTA an SM walks every (key tile, slice)
+            add(variant, min(items, sm_count(device_id)), transpose=True, slices=1)
         else:
             add(variant, key_tiles, transpose=True, slices=num_batch // group)
     if kplan.dq is not None:  # one CTA per query tile

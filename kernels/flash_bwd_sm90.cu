@@ -109,7 +109,7 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
 // queries, first). False past the last.
 template <bool CAUSAL>
 __device__ __forceinline__ bool persistent_item(const FwdParams& p, int n_k_tiles, u32 i, i64& bidx, int& key_tile) {
-    const u32 slices = (u32)p.num_batch, tiles = (u32)n_k_tiles;  // the host keeps tiles x slices < 2^31
+    const u32 slices = (u32)p.num_batch, tiles = (u32)n_k_tiles;  // tiles x slices < 2^31 (_plan.py)
     const u32 item = blockIdx.x + i * gridDim.x;
     bidx = CAUSAL ? item % slices : item / tiles;
     key_tile = (int)(CAUSAL ? item / slices : item % tiles);

@@ -238,6 +238,16 @@ def test_backward_key_pass_is_persistent_at_head_dim_64_when_not_causal(fake_gpu
         assert not _config.backward_plan("bfloat16", 64, 64, False, False, wgmma=True, **kwargs).key_passes[0].persistent
 
 
+def test_persistent_key_pass_past_2_31_items_takes_a_cta_an_item(fake_gpu):
+    """The persistent walk counts (key tile, slice) items in 32 bits: a k broadcast over 2^22
+    query slices with 2^13 key tiles (2^35 items) runs the one-item-a-CTA form, which the
+    compile check builds too."""
+    big = _key_pass(_backward((4096, 1024, 64, 64), kv_shape=(1, 1, 2**20, 64)))
+    assert not big.variant.persistent and big.variant.tma and not big.variant.causal
+    assert big.variant in _config.variants_for("sm_90a")
+    assert _key_pass(_backward((2, 4, 64, 64), kv_shape=(1, 1, 2**20, 64))).variant.persistent
+
+
 def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
     plan = _backward()
     assert _backward() is plan and _plan.plan_counts() == (0, 1)
