@@ -2,6 +2,7 @@
 and ratios, the table's layout and footnotes from fake timings (NumPy standing in for CuPy,
 the float64 reference for cuflash). Nothing here needs a GPU."""
 
+import contextlib
 import subprocess
 import sys
 import types
@@ -26,7 +27,7 @@ def test_default_grid_covers_the_issue():
     assert set(grid.heads) == {(32, 8), (32, 1)} and set(grid.hdims) == {64, 128}
     assert grid.page_sizes == (16, 64, 256) and grid.layouts() == (None, 16, 64, 256)
     assert len(grid.shapes()) == len(grid.cases) * 2 * 2
-    assert decode.count_steps(grid) == len(grid.shapes()) * 5  # dense, 3 page sizes, SDPA
+    assert decode.count_steps(grid) == len(grid.shapes()) * 10  # dense, 3 page sizes, SDPA; eager and graph
     assert max(b * n for b, n in grid.cases) <= 2**20  # K and V of one set fit in a few GiB
 
 
@@ -212,3 +213,91 @@ def test_import_needs_no_cupy():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class _FakeTorchCuda:
+    """torch.cuda as _time_graph uses it: calls made under ``graph`` are recorded into the
+    graph, and each timed replay (between two events) takes ``replay_ms``."""
+
+    def __init__(self, replay_ms):
+        self.replay_ms, self.capturing = replay_ms, None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def current_stream(self):
+        return self.Stream()
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def graph(self, graph):
+        self.capturing = graph
+        yield
+        self.capturing = None
+
+    def CUDAGraph(self):
+        return types.SimpleNamespace(replay=lambda: None)
+
+    def Event(self, enable_timing):
+        cuda = self
+
+        class _Event:
+            def record(self):
+                pass
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return cuda.replay_ms
+
+        return _Event()
+
+
+def test_graph_timing_captures_the_calls_in_turn_and_divides_a_replay():
+    cuda = _FakeTorchCuda(replay_ms=4.0)
+    calls = []
+    env = types.SimpleNamespace(torch=types.SimpleNamespace(cuda=cuda), free_memory=lambda: None)
+
+    def fn(q, k, v):
+        calls.append((q, cuda.capturing is not None))
+
+    sets = [(i, None, None) for i in range(3)]
+    entry = decode._time_graph(env, fn, sets, nbytes=10**9)
+    # two warm-up calls on a side stream, then GRAPH_CALLS captured, the sets in turn
+    assert calls[:2] == [(0, False), (1, False)]
+    assert calls[2:] == [(i % 3, True) for i in range(decode.GRAPH_CALLS)]
+    assert entry["ms"] == pytest.approx(4.0 / decode.GRAPH_CALLS)
+    assert len(entry["times_ms"]) == decode.GRAPH_REPLAYS
+    assert entry["gbps"] == pytest.approx(10**9 / (entry["ms"] * 1e-3) / 1e9)
+    missing = decode._time_graph(types.SimpleNamespace(torch=None, torch_reason="no torch"), fn, sets, 1)
+    assert missing["status"] == "unavailable" and missing["error"] == "no torch"
+
+
+def test_graph_table_follows_the_eager_one_where_graphs_were_measured():
+    args = types.SimpleNamespace(tablefmt="github")
+    records = _records()
+    eager_only = decode.format_decode(records, args, {"copy_gbps": 4000.0}, common.Footnotes())
+    assert f"{decode.GRAPH_CALLS} calls a CUDA graph" not in eager_only  # no graph entries: one table
+    unmeasured = decode._entry(status="unavailable", error="no torch")
+    for r in records:
+        r["graph"] = {"cuflash": unmeasured}
+    assert decode.format_decode(records, args, {"copy_gbps": 4000.0}, common.Footnotes()) == eager_only
+    nbytes = records[0]["kv_bytes"]
+    records[0]["graph"] = {"cuflash": decode._entry(0.3, nbytes=nbytes), "sdpa": decode._entry(0.36, nbytes=nbytes)}
+    records[1]["graph"] = {"cuflash": decode._entry(status="error", error="RuntimeError: capture")}
+    records[2]["graph"] = {"cuflash": decode._entry(0.6, nbytes=nbytes)}
+    text = decode.format_decode(records, args, {"copy_gbps": 4000.0}, common.Footnotes())
+    graph_part = text.split(f"{decode.GRAPH_CALLS} calls a CUDA graph")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in graph_part.splitlines()
+            if line.startswith("|") and "8 x 32768" in line]
+    # 1 GiB in 0.3 ms = 3579 GB/s = 89% of 4000; SDPA's graph 0.36 ms: 1.20x
+    assert rows[0] == ["8 x 32768", "dense", "0.300", "3579", "89%", "0.360", "2983", "1.20x", ""]
+    assert rows[1][2].startswith("FAILED") and "cuflash paged 16 in a CUDA graph: RuntimeError: capture" in text
+    assert rows[2][2:5] == ["0.600", "1790", "45%"] and rows[2][-1] == "0.50x"
+    assert max(len(line) for line in text.splitlines()) <= common.CAPTION_WIDTH
+    assert decode.cuflash_failures(records) == [
+        ("decode 32/8 heads hdim 128 batch 8 KV 32768 paged 16 in a CUDA graph: cuflash", "RuntimeError: capture")]

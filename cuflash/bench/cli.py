@@ -22,8 +22,8 @@ Tables, in this order (TABLES), on stdout as each is done; a progress bar on std
 4. sparse: block-sparse patterns, density, ms and speedup over dense, with torch
    FlexAttention on the same block mask (cuflash.bench.sparse).
 5. decode: one query token per sequence against dense and paged KV caches, GQA and MQA,
-   against SDPA on the dense cache and the device copy ceiling, in GB/s of K and V read
-   (cuflash.bench.decode).
+   against SDPA on the dense cache and the device copy ceiling, in GB/s of K and V read,
+   eager calls and the same calls replayed from a CUDA graph (cuflash.bench.decode).
 6. varlen: 64 sequences of mixed lengths (128-8192), causal, forward and forward + backward,
    packed through cuflash's variable-length call against the same batch padded to its longest
    (cuflash's dense path, SDPA flash and cuDNN) and SDPA on jagged nested tensors; equal

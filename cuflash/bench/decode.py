@@ -20,7 +20,10 @@ dense tensors (it has no paged form). GB/s counts the bytes of K and V a call mu
 (2 * batch * Hk * N * d * itemsize) over its time; the copy ceiling is the device-to-device
 copy of :func:`cuflash.bench.common.measure_ceilings` (bytes read + written / time), measured
 once per run. Timing, warm-up and input rotation past the L2 cache are the speed table's
-(:func:`cuflash.bench.common.time_call`).
+(:func:`cuflash.bench.common.time_call`): whole eager calls, host time included, which at
+batch 1 and short caches is most of a call. Serving engines capture their decode step in a CUDA
+graph instead, so each call is timed that way too (with torch): GRAPH_CALLS calls over the
+input sets in turn captured in one ``torch.cuda.graph`` and replayed, the GPU's time a call.
 
 Importing this module needs neither a GPU nor CuPy.
 """
@@ -47,6 +50,8 @@ DEFAULT_PAGE_SIZES = (16, 64, 256)
 PAGE_ORDER_SEED = 0  # the pages' places in the cache: a fixed random permutation
 NOT_IN_BUILD = "paged KV caches (page_table=, seqlens_k=) not in this build"
 SDPA = "sdpa"
+GRAPH_CALLS = 20  # decode calls captured in one CUDA graph (the input sets in turn)
+GRAPH_REPLAYS = 10  # timed replays of it; the median a call is reported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +101,8 @@ def layout_name(page_size: Optional[int]) -> str:
 
 
 def count_steps(grid: DecodeGrid = DEFAULT_GRID) -> int:
-    """Measurements: per shape, cuflash on every layout and SDPA once."""
-    return len(grid.shapes()) * (len(grid.layouts()) + 1)
+    """Measurements: per shape, cuflash on every layout and SDPA once, eagerly and in a CUDA graph."""
+    return 2 * len(grid.shapes()) * (len(grid.layouts()) + 1)
 
 
 def page_slots(num_pages: int, seed: int = PAGE_ORDER_SEED):
@@ -206,6 +211,41 @@ def _time(env, args, fn, sets, nbytes: int):
     return failed, None
 
 
+def _time_graph(env, fn, sets, nbytes: int) -> dict:
+    """The entry of fn timed in a CUDA graph: GRAPH_CALLS calls over the input sets in turn
+    captured once (after two calls on a side stream, as capture wants), then GRAPH_REPLAYS
+    replays between events; ms is the median replay / GRAPH_CALLS. Needs torch."""
+    torch = env.torch
+    if torch is None:
+        return _entry(status="unavailable", error=env.torch_reason)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(2):
+                fn(*sets[i % len(sets)])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(GRAPH_CALLS):
+                fn(*sets[i % len(sets)])
+        graph.replay()
+        times = []
+        for _ in range(GRAPH_REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / GRAPH_CALLS)
+        del graph
+        return _entry(statistics.median(times), times=times, nbytes=nbytes)
+    except Exception as exc:
+        failed = _entry(status="oom" if common.is_oom(env, exc) else "error", error=common.first_line(exc))
+    env.free_memory()  # after the except block, whose traceback held the graph and its outputs
+    return failed
+
+
 def _index_maker(env) -> Callable:
     """NumPy int arrays -> index / argument arrays of the inputs' framework, on the GPU."""
     if env.torch is not None:
@@ -248,9 +288,15 @@ def _run_shape(env, args, shape: tuple, grid: DecodeGrid, progress) -> list:
 
     def report(name: str, entry: dict, check: str = "") -> None:
         progress.advance()
-        progress.note(f"{label} {name:>10}: " + (
+        progress.note(f"{label} {name:>16}: " + (
             f"{entry['ms']:.3f} ms {entry['gbps']:.0f} GB/s{check}" if entry["ms"] is not None
             else f"{entry['status']}: {entry['error']}"))
+
+    def in_graph(name: str, fn, inputs) -> dict:
+        progress.start(f"{label}: {name} in a CUDA graph")
+        entry = _time_graph(env, fn, inputs, nbytes)
+        report(f"{name} graph", entry)
+        return entry
 
     progress.start(f"{label}: cuflash dense")
     dense, dense_out = _time(env, args, cuflash_dense_fn(), sets, nbytes)
@@ -263,8 +309,10 @@ def _run_shape(env, args, shape: tuple, grid: DecodeGrid, progress) -> list:
     sdpa_diff = _max_abs_diff(env, dense_out, sdpa_out)
     report("SDPA", sdpa, "" if sdpa_diff is None else f", max|o - o_cuflash| = {sdpa_diff:.2e}")
     del sdpa_out
+    graphs = {"cuflash": in_graph("dense", cuflash_dense_fn(), sets)}
+    graphs[SDPA] = in_graph("SDPA", sdpa_fn(env) if env.torch is not None else None, sets)
     records = [{**base, "layout": "dense", "page_size": None,
-                "backends": {"cuflash": dense, SDPA: sdpa}, "max_abs_diff_vs_cuflash": sdpa_diff}]
+                "backends": {"cuflash": dense, SDPA: sdpa}, "graph": graphs, "max_abs_diff_vs_cuflash": sdpa_diff}]
 
     seqlens = to_index(np.full(batch, kv_len, dtype=np.int32))
     for page_size in grid.page_sizes:
@@ -272,7 +320,9 @@ def _run_shape(env, args, shape: tuple, grid: DecodeGrid, progress) -> list:
         fn = cuflash_paged_fn()
         diff = None
         if fn is None:
-            entry = _entry(status="unavailable", error=NOT_IN_BUILD)
+            entry = graph = _entry(status="unavailable", error=NOT_IN_BUILD)
+            report(layout_name(page_size), entry)
+            report(f"{layout_name(page_size)} graph", graph)
         else:
             slots = page_slots(batch * kv_len // page_size)
             table = to_index(page_table_of(slots, batch))
@@ -280,21 +330,25 @@ def _run_shape(env, args, shape: tuple, grid: DecodeGrid, progress) -> list:
                            paged_cache(v, page_size, slots, to_index), table, seqlens) for q, k, v in sets]
             entry, out = _time(env, args, fn, paged_sets, nbytes)
             diff = _max_abs_diff(env, dense_out, out)
-            del paged_sets, out
+            report(layout_name(page_size), entry, "" if diff is None else f", max|o - o_dense| = {diff:.2e}")
+            del out
+            graph = in_graph(layout_name(page_size), fn, paged_sets)
+            del paged_sets
             env.free_memory()
-        report(layout_name(page_size), entry, "" if diff is None else f", max|o - o_dense| = {diff:.2e}")
         records.append({**base, "layout": "paged", "page_size": page_size,
-                        "backends": {"cuflash": entry}, "max_abs_diff_vs_dense": diff})
+                        "backends": {"cuflash": entry}, "graph": {"cuflash": graph}, "max_abs_diff_vs_dense": diff})
     del sets, dense_out
     return records
 
 
 def cuflash_failures(records: list) -> list:
-    """(label, error) of every cuflash measurement that failed (a build without paging is not
-    a failure)."""
+    """(label, error) of every cuflash measurement that failed, eager or in a CUDA graph (a
+    build without paging is not a failure)."""
     return [(f"decode {r['heads_q']}/{r['heads_kv']} heads hdim {r['hdim']} batch {r['batch']} "
-             f"KV {r['kv_len']} {layout_name(r['page_size'])}: cuflash", r["backends"]["cuflash"]["error"])
-            for r in records if r["backends"]["cuflash"]["status"] in ("error", "oom")]
+             f"KV {r['kv_len']} {layout_name(r['page_size'])}{where}: cuflash", entry["error"])
+            for r in records for where, entry in (("", r["backends"]["cuflash"]),
+                                                  (" in a CUDA graph", r.get("graph", {}).get("cuflash")))
+            if entry is not None and entry["status"] in ("error", "oom")]
 
 
 def json_settings(grid: DecodeGrid = DEFAULT_GRID) -> dict:
@@ -323,6 +377,12 @@ def _cells(entry: Optional[dict], notes: Footnotes, name: str, layout: str) -> l
     return [f"{DASH} {notes.mark('SDPA: ' + str(entry['error']))}", DASH]
 
 
+def _copy_share(entry: Optional[dict], copy_gbps: Optional[float]) -> str:
+    """An entry's GB/s as a share of the copy ceiling, e.g. '97%'; a dash when either is missing."""
+    gbps = entry.get("gbps") if entry else None
+    return f"{100 * gbps / copy_gbps:.0f}%" if gbps and copy_gbps else DASH
+
+
 def _speed_ratio(slower: Optional[dict], faster: Optional[dict]) -> str:
     """slower's time / faster's time, e.g. '2.50x'; a dash when either is missing."""
     if not slower or not faster or slower.get("ms") is None or faster.get("ms") is None:
@@ -331,7 +391,8 @@ def _speed_ratio(slower: Optional[dict], faster: Optional[dict]) -> str:
 
 
 def format_decode(records: list, args, ceilings: Optional[dict], notes: Footnotes) -> str:
-    """One table per (head split, head dim, dtype); a row per case and cache layout."""
+    """Two tables per (head split, head dim, dtype), eager calls and the same calls in a CUDA
+    graph (where measured); a row per case and cache layout."""
     from tabulate import tabulate
 
     copy_gbps = (ceilings or {}).get("copy_gbps")
@@ -339,32 +400,34 @@ def format_decode(records: list, args, ceilings: Optional[dict], notes: Footnote
     headers = ["batch x KV", "cache", "ms", "GB/s", "% of copy", "SDPA ms", "SDPA GB/s", "vs SDPA", "vs dense"]
     groups = dict.fromkeys((r["heads_q"], r["heads_kv"], r["hdim"], r["dtype"]) for r in records)
     blocks = []
-    for hq, hk, d, dtype in groups:
+    for (hq, hk, d, dtype), graph in itertools.product(groups, (False, True)):
+        measured = "graph" if graph else "backends"  # the record's entries this table shows
+        mine_of = [r for r in records if (r["heads_q"], r["heads_kv"], r["hdim"], r["dtype"]) == (hq, hk, d, dtype)]
+        if graph and all(e["status"] == "unavailable" for r in mine_of for e in r.get(measured, {}).values()):
+            continue  # not measured (no torch): no table
         rows = []
         dense_of = {}  # (batch, KV length) -> the dense record
-        for r in records:
-            if (r["heads_q"], r["heads_kv"], r["hdim"], r["dtype"]) != (hq, hk, d, dtype):
-                continue
+        for r in mine_of:
             key = (r["batch"], r["kv_len"])
             if r["page_size"] is None:
                 dense_of[key] = r
             dense = dense_of.get(key)
-            layout = layout_name(r["page_size"])
-            mine = r["backends"].get("cuflash")
-            sdpa = dense["backends"].get(SDPA) if dense else None
-            gbps = mine.get("gbps") if mine else None
-            share = f"{100 * gbps / copy_gbps:.0f}%" if gbps and copy_gbps else DASH
+            layout = layout_name(r["page_size"]) + (" in a CUDA graph" if graph else "")
+            mine = r.get(measured, {}).get("cuflash")
+            sdpa = dense.get(measured, {}).get(SDPA) if dense else None
             sdpa_cells = _cells(sdpa, notes, SDPA, layout) if r["page_size"] is None else ["", ""]
-            paged = (_speed_ratio(dense and dense["backends"].get("cuflash"), mine)
+            paged = (_speed_ratio(dense.get(measured, {}).get("cuflash") if dense else None, mine)
                      if r["page_size"] is not None else "")
-            rows.append([f"{r['batch']} x {r['kv_len']}", layout, *_cells(mine, notes, "cuflash", layout), share,
-                         *sdpa_cells, _speed_ratio(sdpa, mine), paged])
+            rows.append([f"{r['batch']} x {r['kv_len']}", layout_name(r["page_size"]),
+                         *_cells(mine, notes, "cuflash", layout), _copy_share(mine, copy_gbps), *sdpa_cells,
+                         _speed_ratio(sdpa, mine), paged])
         kind = "MQA" if hk == 1 else "GQA"
-        title = (f"decode (cuflash), 1 query token per sequence: {hq} query heads over {hk} k/v "
-                 f"head{'s' if hk > 1 else ''} ({kind}), head dim {d}, {dtype}")
+        title = (f"decode (cuflash){f', {GRAPH_CALLS} calls a CUDA graph' if graph else ''}, 1 query token per "
+                 f"sequence: {hq} query heads over {hk} k/v head{'s' if hk > 1 else ''} ({kind}), head dim {d}, "
+                 f"{dtype}")
         table = tabulate(rows, headers, tablefmt=getattr(args, "tablefmt", "github"),
                          disable_numparse=True, colalign=("right", "left") + ("right",) * 7)
-        blocks.append(title + "\n\n" + table)
+        blocks.append(textwrap.fill(title, common.CAPTION_WIDTH) + "\n\n" + table)
     ceiling = f"{copy_gbps:.0f} GB/s" if copy_gbps else f"{DASH} (not measured)"
     caption = ("batch x KV: sequences x keys per sequence (KV length). ms: cuflash's median time of one "
                "call; GB/s: bytes of K and V read (2 * batch * k/v heads * KV length * head dim * "
@@ -377,7 +440,10 @@ def format_decode(records: list, args, ceilings: Optional[dict], notes: Footnote
                "F.scaled_dot_product_attention(q, k, v, enable_gqa=True) on the dense tensors; it "
                "has no paged form, so its columns stand on the dense row, and a paged row's vs SDPA "
                "compares with that time. vs SDPA: SDPA time / cuflash time; vs dense: cuflash's "
-               "dense time / its paged time.")
+               "dense time / its paged time. The first table of a head split times whole eager "
+               f"calls, host time included; the second the same calls (SDPA's too) captured {GRAPH_CALLS} "
+               "to a torch CUDA graph, the input sets in turn, as serving engines run their decode "
+               f"step: ms is the median of {GRAPH_REPLAYS} replays / {GRAPH_CALLS}, the GPU's time a call.")
     lines = [textwrap.fill(caption, common.CAPTION_WIDTH)] + [
         textwrap.fill(line, common.CAPTION_WIDTH, subsequent_indent="    ") for line in notes.lines()]
     return "\n\n".join(blocks) + "\n\n" + "\n".join(lines)
