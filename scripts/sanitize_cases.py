@@ -12,7 +12,8 @@ offset arithmetic are all exercised.
 ``--subset all`` (memcheck, initcheck): each dtype x head dims 32..256 (every bucket, plus 40
 and d != dv), causal with Nq < Nk and Nq > Nk (rows without keys), and block-sparse and
 windowed cases when cuflash.attention takes them. ``--subset one`` (racecheck, synccheck, which
-are slow): one case per variant.
+are slow): one case per variant. Both subsets hold, per 16-bit dtype, a case of 300 slices (MANY_ITEMS) whose persistent
+key pass walks several items a CTA.
 
 Decoding (cuflash._decode): every variant, dense and paged (vLLM's layout as a view), split and
 not, with lengths past the capacity and page-table entries outside [0, num_pages), which the
@@ -43,6 +44,10 @@ import cuflash  # noqa: E402
 from cuflash import _config, _constants, _loader, _tiles, masks  # noqa: E402
 
 ODD_LENGTHS = (77, 131)
+# Enough (key tile, slice) items that the persistent wgmma key pass (head dim 64, not causal)
+# walks several a CTA: 3 x 100 slices of 3 key tiles (300 keys) are 900, ~7 a CTA on 132 SMs,
+# so each of its two K, V buffers is refilled and its barriers' phases turn over.
+MANY_ITEMS = (3, 100, 100)
 LONG_QUERIES = 1100  # past the 1024 rows up to which the wgmma forward runs a persistent grid
 
 
@@ -54,6 +59,7 @@ class Case(NamedTuple):
     nk: int
     causal: bool
     sparse: Optional[str] = None  # None, "block", "window" or "block+window"
+    slices: Optional[tuple] = None  # (batch, query heads, k/v heads); None: run_case's
 
 
 def _mask_support():
@@ -72,6 +78,8 @@ def cases(subset):
             out.append(Case(dtype, d, d, long, short, True))  # rows 0..53 see no key
             if subset == "all":
                 out.append(Case(dtype, d, d, short, long, True))
+        if dtype != "float32":
+            out.append(Case(dtype, 64, 64, short, 300, False, slices=MANY_ITEMS))
         if subset == "all":
             out += [Case(dtype, 40, 40, long, short, c) for c in (False, True)]
             out += [Case(dtype, 64, 128, short, long, c) for c in (False, True)]
@@ -168,7 +176,7 @@ def run_case(case, rng, subset):
     import cupy
 
     # all: 2 batches of 4 query heads on 2 kv heads (grouped); one: 2 heads on one kv head
-    batch, hq, hkv = (2, 4, 2) if subset == "all" else (1, 2, 1)
+    batch, hq, hkv = case.slices or ((2, 4, 2) if subset == "all" else (1, 2, 1))
     q = strided(rng, batch, hq, case.nq, case.d, case.dtype)
     k = strided(rng, batch, hkv, case.nk, case.d, case.dtype)
     v = strided(rng, batch, hkv, case.nk, case.dv, case.dtype)

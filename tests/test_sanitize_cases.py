@@ -37,3 +37,18 @@ def test_decode_cases_reach_every_decode_variant(cases_module, subset):
     assert reached == {v.key for v in _config.all_decode_variants() if isinstance(v, _variants.SplitKvDecode)}
     assert all(any(c.num_splits == 3 and c.dtype == dtype for c in cases_module.decode_cases(subset))
                for dtype in ("float16", "bfloat16"))  # both combines run
+
+
+@pytest.mark.parametrize("subset", ("all", "one"))
+def test_a_case_walks_several_items_a_persistent_key_pass_cta(cases_module, subset):
+    """Under every tool, the persistent wgmma key pass gets enough (key tile, slice) items that
+    each of its CTAs walks several and refills both K, V buffers (on an H100 / H200's 132 SMs)."""
+    from cuflash import _config
+
+    many = [c for c in cases_module.cases(subset) if c.slices]
+    assert {c.dtype for c in many} == {"float16", "bfloat16"}
+    for c in many:
+        batch, hq, hkv = c.slices
+        key_pass = _config.backward_plan(c.dtype, c.d, c.dv, c.causal, False, wgmma=True).key_passes[0]
+        assert key_pass.persistent and hq == hkv  # not grouped: the persistent form
+        assert batch * hq * -(-c.nk // key_pass.block_cols) >= 5 * 132
