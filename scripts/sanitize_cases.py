@@ -12,8 +12,8 @@ offset arithmetic are all exercised.
 ``--subset all`` (memcheck, initcheck): each dtype x head dims 32..256 (every bucket, plus 40
 and d != dv), causal with Nq < Nk and Nq > Nk (rows without keys), and block-sparse and
 windowed cases when cuflash.attention takes them. ``--subset one`` (racecheck, synccheck, which
-are slow): one case per variant. Both subsets hold, per 16-bit dtype, a case of 300 slices (MANY_ITEMS) whose persistent
-key pass walks several items a CTA.
+are slow): one case per variant. Both subsets hold, per 16-bit dtype, a case of 300 slices
+(MANY_ITEMS) whose persistent key pass walks several items a CTA.
 
 Decoding (cuflash._decode): every variant, dense and paged (vLLM's layout as a view), split and
 not, with lengths past the capacity and page-table entries outside [0, num_pages), which the
