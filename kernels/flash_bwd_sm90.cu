@@ -103,16 +103,14 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
         }
 }
 
-// PERSISTENT (dense, one CTA an SM): item i of this CTA is pair blockIdx.x + i * gridDim.x of the
-// n_k_tiles x num_batch (key tile, slice) pairs, slices outermost, so that the CTAs at work share
-// a head's Q and dO in L2 (causal: key tiles outermost, the first ones, which see the most
-// queries, first). False past the last.
-template <bool CAUSAL>
+// PERSISTENT (dense, not causal, one CTA an SM): item i of this CTA is pair blockIdx.x + i *
+// gridDim.x of the n_k_tiles x num_batch (key tile, slice) pairs, slices outermost, so that the
+// CTAs at work share a head's Q and dO in L2. False past the last.
 __device__ __forceinline__ bool persistent_item(const FwdParams& p, int n_k_tiles, u32 i, i64& bidx, int& key_tile) {
     const u32 slices = (u32)p.num_batch, tiles = (u32)n_k_tiles;  // tiles x slices < 2^31 (_plan.py)
     const u32 item = blockIdx.x + i * gridDim.x;
-    bidx = CAUSAL ? item % slices : item / tiles;
-    key_tile = (int)(CAUSAL ? item / slices : item % tiles);
+    bidx = item / tiles;
+    key_tile = (int)(item % tiles);
     return item < tiles * slices;
 }
 
@@ -128,7 +126,7 @@ __device__ __forceinline__ void walk_bwd_items(const FwdParams& p, const GridCel
         i64 item_bidx;
         int key_tile;
 #pragma unroll 1
-        for (u32 i = 0; persistent_item<CAUSAL>(p, n_k_tiles, i, item_bidx, key_tile); ++i) {
+        for (u32 i = 0; persistent_item(p, n_k_tiles, i, item_bidx, key_tile); ++i) {
             const SliceGeometry g = geometry(item_bidx);
             body(g, g.band<CAUSAL>(p), item_bidx, key_tile);
         }
@@ -154,7 +152,10 @@ __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b,
                       const __grid_constant__ sm90::Bwd90Maps maps) {
     using L = Bwd90SmemLayout<HD, STAGES, PERSISTENT>;
-    static_assert(!PERSISTENT || (TMA && !VARLEN && !GROUPED && !SPARSE), "the persistent form: dense, through TMA");
+    // Causal items differ in length, which a fixed round-robin shares out worse than the hardware
+    // starting one CTA an item (bench/NOTES.md, session 25)
+    static_assert(!PERSISTENT || (TMA && !CAUSAL && !VARLEN && !GROUPED && !SPARSE),
+                  "the persistent form: dense, not causal, through TMA");
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
     constexpr bool kDvUnderDs = HD == 64;  // dV's matmul runs while dS^T is formed (below)
     // dP^T's matmul runs while P^T is formed (+2-3% at head dim 64); at 128 its accumulators in
