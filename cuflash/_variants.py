@@ -378,7 +378,8 @@ class HopperBackward(_Launch):
     # float16 at 128 24 bytes in the block-sparse forms, 20-36 in the grouped ones (up to 64
     # before), with TMA none but causal grouped (16); at 64 with TMA the grouped forms 4 (36
     # causal), in the producer's 40 registers, which hold the dQ warp's loop there (kDqWarp,
-    # flash_bwd_sm90.cu); otherwise none at 64 or in bfloat16. The block-sparse ones at head dim 128
+    # flash_bwd_sm90.cu), and the persistent forms 20 there (each item's slice geometry);
+    # otherwise none at 64 or in bfloat16. The block-sparse ones at head dim 128
     # with atomic dQ spilled 132-204 while the partial tiles' block look-ups sat inside the P^T
     # loop; they are a mask built before it now (partial_tile_keep, mask.cuh).
 

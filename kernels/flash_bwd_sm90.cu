@@ -49,13 +49,17 @@ static_assert(128 * kBwd90ProducerRegisters + 256 * kBwd90ConsumerRegisters <= 1
 template <int HD, int STAGES, bool PERSISTENT>
 struct Bwd90SmemLayout {
     static constexpr int kv_bytes = kBwd90Keys * HD * 2;   // K, and V
-    // PERSISTENT: two K / V buffers (item n in buffer n % 2), so the next item's load overlaps this one
+    // PERSISTENT: two K / V buffers, so the next item's load overlaps this one. The n-th K / V
+    // load goes to buffer kv_buffer(n), where kv_use(n) loads came before it.
     static constexpr int kv_buffers = PERSISTENT ? 2 : 1;
+    static __device__ __forceinline__ int kv_buffer(u32 n) { return (int)(n % kv_buffers); }
+    static __device__ __forceinline__ u32 kv_use(u32 n) { return n / kv_buffers; }
     static constexpr int q_bytes = kBwd90Rows * HD * 2;    // Q, and dO, per stage
     static constexpr int ds_bytes = kBwd90Keys * kBwd90Rows * 2;
     static constexpr int stat_floats = 3 * kBwd90Rows;     // (m, log2 l) pairs, then D
     static constexpr int k_offset = 0;
     static constexpr int v_offset = kv_bytes;
+    static __device__ __forceinline__ int k_offset_of(int kv_buffer) { return k_offset + kv_buffer * 2 * kv_bytes; }
     static constexpr int q_offset = 2 * kv_buffers * kv_bytes;
     static constexpr int do_offset = q_offset + STAGES * q_bytes;
     static constexpr int ds_offset = do_offset + STAGES * q_bytes;
@@ -233,10 +237,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 // copies, each completing on its barrier with its byte count. Rows are the map's:
                 // a packed sequence's start on.
                 if (tid == 0) {
-                    const int kv_row = (int)(g.k_start + k0), kb = PERSISTENT ? (int)(kv_loads & 1) : 0;
-                    const u32 cK = sK + kb * 2 * L::kv_bytes;
-                    // PERSISTENT: the buffer's last item (two loads back) is done with it
-                    if (PERSISTENT && kv_loads >= 2) sm90::mbarrier_wait(bar.kv_empty(kb), ((kv_loads >> 1) - 1) & 1);
+                    const int kv_row = (int)(g.k_start + k0), kb = L::kv_buffer(kv_loads);
+                    const u32 cK = base + L::k_offset_of(kb);
+                    // PERSISTENT: the buffer's last item (kv_buffers loads back) is done with it
+                    if (PERSISTENT && kv_loads >= L::kv_buffers)
+                        sm90::mbarrier_wait(bar.kv_empty(kb), (L::kv_use(kv_loads) - 1) & 1);
                     sm90::mbarrier_expect_tx(bar.kv_full(kb), 2u * L::kv_bytes);
                     sm90::tma_load_tile<kBwd90Keys, HD>(cK, &maps.k, kv_row, (int)(g.k_head / maps.k_slice), bar.kv_full(kb));
                     sm90::tma_load_tile<kBwd90Keys, HD>(cK + L::kv_bytes, &maps.v, kv_row, (int)(g.v_head / maps.v_slice),
@@ -337,10 +342,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                 for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
 
             // PERSISTENT: this item's K / V buffer (the producer alternates them)
-            const int kb = PERSISTENT ? (int)(kv_round & 1) : 0;
-            const u32 sK = base + L::k_offset + kb * 2 * L::kv_bytes, sV = sK + L::kv_bytes;
+            const int kb = L::kv_buffer(kv_round);
+            const u32 sK = base + L::k_offset_of(kb), sV = sK + L::kv_bytes;
             if (n_tiles > 0) {
-                sm90::mbarrier_wait(bar.kv_full(kb), (PERSISTENT ? kv_round >> 1 : kv_round) & 1);
+                sm90::mbarrier_wait(bar.kv_full(kb), L::kv_use(kv_round) & 1);
                 sm90::fence_async_shared();
             }
             i64 dq_rows = g.rows;  // the head's first row of dQ's accumulator
