@@ -271,7 +271,7 @@ def test_backward_key_pass_loads_through_tensor_maps(fake_gpu):
     strides = (_contiguous(shape), q_strides, _contiguous(shape), _contiguous(shape), _contiguous(shape))
     stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
     plan = _plan.backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
-    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    key_pass = _key_pass(plan)
     assert key_pass.variant.tma and len(key_pass.params) == 3
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
     maps = list(key_pass.params[2])
@@ -293,7 +293,7 @@ def test_packed_backward_maps_span_every_row_of_a_head(fake_gpu):
     stats = (((heads, total_q), (total_q, 1), "float32"),) * 2
     plan = _plan.varlen_backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, False, 3, 400, 400,
                                       (0x1000,) * 5)
-    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    key_pass = _key_pass(plan)
     assert key_pass.variant.varlen and key_pass.variant.tma
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5, 0x200000, 0x300000)
     maps = list(key_pass.params[2])
@@ -306,7 +306,7 @@ def test_packed_backward_maps_span_every_row_of_a_head(fake_gpu):
 def test_backward_key_pass_without_maps_loads_with_cp_async(fake_gpu, monkeypatch):
     monkeypatch.setattr(_tma, "encode", lambda *args: None)
     plan = _backward()
-    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    key_pass = _key_pass(plan)
     assert not key_pass.variant.tma and plan.maps is None
     assert not any(key_pass.params[2])  # the kernel's maps parameter, unread
 
@@ -328,8 +328,8 @@ def test_backward_pointers_the_copy_engine_refuses_run_the_cp_async_form(fake_gp
         return [x["func"] for x in fake_gpu.launches]
 
     mappable = tuple(0x1000 * (i + 1) for i in range(10))
-    tma_func = next(k.func for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
-    cp_async = next(k for k in plan.fallback().kernels if isinstance(k.variant, _variants.HopperBackward))
+    tma_func = _key_pass(plan).func
+    cp_async = _key_pass(plan.fallback())
     assert not cp_async.variant.tma and cp_async.func != tma_func
     assert tma_func in key_pass_funcs(mappable)
     funcs = key_pass_funcs((refused,) + mappable[1:])
@@ -355,7 +355,7 @@ def test_grouped_heads_walked_by_one_key_pass_cta(fake_gpu, shape, kv_heads, gro
     kv = shape[:1] + (kv_heads,) + shape[2:]
     kv_group = shape[1] // kv_heads
     plan = _backward(shape=shape, kv_shape=kv, deterministic=False)
-    key_pass = next(k for k in plan.kernels if isinstance(k.variant, _variants.HopperBackward))
+    key_pass = _key_pass(plan)
     assert key_pass.variant.grouped == (group > 1)
     block = list(plan.bwd_block)
     assert block[-1] == group  # BwdParams.head_group
