@@ -193,14 +193,17 @@ def forward_tiles_override(tiles_by_bucket):
 def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *,
                   hopper: bool = True, sparse: bool = False, wgmma: bool = False,
                   wgmma_backward_on: typing.Optional[bool] = None, varlen: bool = False,
-                  grouped: bool = False, tma: bool = True) -> BackwardPlan:
+                  grouped: bool = False, tma: bool = True, nk: typing.Optional[int] = None,
+                  slices: int = 1) -> BackwardPlan:
     """The kernels one backward launches; ``hopper``: the GPU has compute capability >= 9.0;
     ``sparse``: they walk block-sparse tile lists; ``wgmma``: the GPU has wgmma, and the
     wgmma key pass is switched on (``wgmma_backward_on``, default the module switch);
     ``varlen``: a packed variable-length batch, every kernel in its VARLEN form (never sparse);
     ``grouped``: a wgmma key pass walks several query heads of a k/v head
     (backward_head_group; never sparse); ``tma``: the copy engine can map q, k, v and dO (else
-    the wgmma key pass loads with cp.async)."""
+    the wgmma key pass loads with cp.async). ``nk``, ``slices``: the keys and the launch's
+    (batch..., head) slices; a persistent key pass counts its items (key tiles x slices) in 32
+    bits, so past 2^31 items it runs one item a CTA (k broadcast over millions of slices)."""
     if varlen:
         plan = backward_plan(dtype, d, dv, causal, deterministic, hopper=hopper, wgmma=wgmma,
                              wgmma_backward_on=wgmma_backward_on, grouped=grouped, tma=tma)
@@ -219,8 +222,9 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
         dq_tiles = _tiles.TC_BACKWARD_DQ_TILES[d]
         dq = None if not deterministic else TensorCoreBackwardDq(dtype, d, d, *dq_tiles, causal, sparse)
         grouped = grouped and not sparse and not deterministic
+        items = None if nk is None else -(-nk // HopperBackward.block_cols) * slices
         persistent = (d in _tiles.SM90_PERSISTENT_BACKWARD_DIMS and bool(tma) and not causal
-                      and not (sparse or grouped or deterministic))
+                      and not (sparse or grouped or deterministic) and (items is None or items < 2**31))
         key_pass = HopperBackward(dtype, d, not deterministic, causal, sparse=sparse, grouped=grouped, tma=bool(tma),
                                   persistent=persistent)
         return BackwardPlan(pre, (key_pass,), dq, not deterministic)

@@ -550,7 +550,8 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     _check_vector_operands(operands, ptrs, dtype)
     cc = compute_capability(device_id)
     kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic, sparse=mask is not None,
-                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), tma=tma)
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), tma=tma, nk=nk,
+                                    slices=num_batch)
     nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
     kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, num_batch,
                                lambda cols: -(-nk // cols), device_id)
@@ -591,11 +592,8 @@ def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, s
     add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
     for variant in kplan.key_passes:  # one CTA per key tile (and group of heads): the transposed lists
         key_tiles = -(-nk // variant.block_cols)
-        items = key_tiles * num_batch
-        if getattr(variant, "persistent", False) and items >= 2**31:  # the walk counts items in 32 bits
-            variant = dataclasses.replace(variant, persistent=False)  # (k broadcast over many slices)
         if getattr(variant, "persistent", False):  # one CTA an SM walks every (key tile, slice)
-            add(variant, min(items, sm_count(device_id)), transpose=True, slices=1)
+            add(variant, min(key_tiles * num_batch, sm_count(device_id)), transpose=True, slices=1)
         else:
             add(variant, key_tiles, transpose=True, slices=num_batch // group)
     if kplan.dq is not None:  # one CTA per query tile

@@ -111,7 +111,7 @@ __device__ __forceinline__ void pack_frags(const float (&acc)[8][4], u32 (&frag)
 // gridDim.x of the n_k_tiles x num_batch (key tile, slice) pairs, slices outermost, so that the
 // CTAs at work share a head's Q and dO in L2. False past the last.
 __device__ __forceinline__ bool persistent_item(const FwdParams& p, int n_k_tiles, u32 i, i64& bidx, int& key_tile) {
-    const u32 slices = (u32)p.num_batch, tiles = (u32)n_k_tiles;  // tiles x slices < 2^31 (_plan.py)
+    const u32 slices = (u32)p.num_batch, tiles = (u32)n_k_tiles;  // tiles x slices < 2^31 (_config.py)
     const u32 item = blockIdx.x + i * gridDim.x;
     bidx = item / tiles;
     key_tile = (int)(item % tiles);
