@@ -25,7 +25,8 @@ STATS_ROW_MULTIPLE = 128
 # dense batches, backward key tiles of dense and of packed varlen ones) start their CTAs tile by
 # tile in groups of SLICE_GROUP slices (kSliceGroup, kTileMajorForward, kTileMajorBackward,
 # kTileMajorVarlenBackward in kernels/slice.cuh): long tiles first, a group's tiles together in
-# L2. Where each was measured to win (bench/NOTES.md, sessions 15 and 16).
+# L2. Where each was measured to win: bench/NOTES.md, Forward on Hopper, Backward on Hopper and
+# Packed batches.
 SLICE_GROUP = 16
 TILE_MAJOR_FORWARD_TILES = 32
 TILE_MAJOR_BACKWARD_TILES = 64

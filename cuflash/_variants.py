@@ -355,8 +355,8 @@ class HopperBackward(_Launch):
     SM walking every 128 keys of every slice) walks query tiles of 64;
     a producer warpgroup and two consumer warpgroups of 64 keys. With deterministic dQ the
     mma.sync dQ kernel follows it. ``tma``: one producer thread loads through tensor maps
-    (2-4% faster than the warpgroup's cp.async at every shape measured, bench/NOTES.md
-    session 22)."""
+    (2-4% faster than the warpgroup's cp.async at every shape measured, fb4e54b; bench/NOTES.md,
+    Backward on Hopper)."""
 
     dtype: str
     head_dim: int  # d = dv = head_dim exactly (64 or 128)
@@ -374,7 +374,7 @@ class HopperBackward(_Launch):
     block_rows = 64
     block_cols = 128
     warps = 12
-    # Spills, all within the common budget since the warp-uniform warpgroup index (session 21):
+    # Spills, all within the common budget since the warp-uniform warpgroup index (3b2aee6):
     # float16 at 128 24 bytes in the block-sparse forms, 20-36 in the grouped ones (up to 64
     # before), with TMA none but causal grouped (16); at 64 with TMA the grouped forms 4 (36
     # causal), in the producer's 40 registers, which hold the dQ warp's loop there (kDqWarp,

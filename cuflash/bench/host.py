@@ -4,10 +4,10 @@ At a tiny shape (HOST_SHAPE, bf16, causal) a kernel runs a few microseconds, far
 any API spends on the host, so back-to-back calls keep the GPU queue ahead of the GPU and the
 wall time of back-to-back calls, divided by their number, is the host's time per call: argument
 checks, plan look-ups, allocation, launches, autograd, dispatch. The host's own speed drifts
-(the H200's host ran one SDPA loop at 205 and the next at 405 us a call, in one session), so a
-framework's rows are measured side by side: HOST_ROUNDS rounds, each timing HOST_CALLS /
-HOST_ROUNDS calls of every row (in alternating order), after HOST_WARMUP untimed calls of each;
-a row's figure is the median of its rounds.
+(on one H200 machine SDPA's forward + backward took 205 us a call in a small script and 405 us
+in a benchmark run minutes later), so a framework's rows are measured side by side: HOST_ROUNDS
+rounds, each timing HOST_CALLS / HOST_ROUNDS calls of every row (in alternating order), after
+HOST_WARMUP untimed calls of each; a row's figure is the median of its rounds.
 
 Rows (CASES): cuflash on CuPy arrays (forward, backward), the torch adapter (forward, forward
 + backward through autograd) against SDPA with torch's own backend choice, and under jax.jit
