@@ -334,8 +334,15 @@ def test_block_mask_as_boolean_tensor_and_inline_mask():
     import gc
 
     gc.collect()
-    (dq,) = torch.autograd.grad(o, (q,), grad_outputs=torch.ones_like(o))
-    (expected_dq,) = torch.autograd.grad(expected, (q,), grad_outputs=torch.ones_like(o))
+    # The deterministic backward, so that the two gradients can be compared bit for bit: the
+    # atomic one adds dQ's pieces in whichever order the CTAs finish.
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        (dq,) = torch.autograd.grad(o, (q,), grad_outputs=torch.ones_like(o))
+        (expected_dq,) = torch.autograd.grad(expected, (q,), grad_outputs=torch.ones_like(o))
+    finally:
+        torch.use_deterministic_algorithms(previous)
     assert torch.equal(dq, expected_dq)
 
 

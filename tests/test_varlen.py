@@ -66,7 +66,10 @@ def test_reference_equals_hand_padded_dense_attention(causal, window):
     for i, (qs, qe) in enumerate(rows_q):
         np.testing.assert_allclose(got.o[:, qs:qe], want.o[i, :, :qe - qs], atol=1e-12)
         np.testing.assert_allclose(got.l[:, qs:qe], want.l[i, :, :qe - qs], atol=1e-12)
-        np.testing.assert_array_equal(got.m[:, qs:qe], want.m[i, :, :qe - qs])
+        # m is a largest score: the two sides' matmuls differ in shape, and BLAS may sum their
+        # dot products in different orders (one ulp apart on some machines), so a few ulps of
+        # the O(1) scores, not bit equality; -inf (no key) still has to match exactly.
+        np.testing.assert_allclose(got.m[:, qs:qe], want.m[i, :, :qe - qs], rtol=1e-13, atol=1e-13)
     # the sequence of one query against no key: o = 0, l = 0, m = -inf
     qs = cu_q[3]
     assert np.all(got.o[:, qs:qs + 9] == 0) and np.all(got.l[:, qs:qs + 9] == 0)
