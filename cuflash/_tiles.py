@@ -22,7 +22,7 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 # registers per row tile and S block_cols / 8 * 4, which is what bounds these choices.
 TC_FORWARD_TILES = {
     32: (128, 64, 4, 1, 4),
-    64: (128, 64, 4, 1, 4),  # 322 TFLOP/s at seq 4096 on the H200 (bench/NOTES.md)
+    64: (128, 64, 4, 1, 4),  # 322 TFLOP/s at seq 4096 on the H200 (bench/NOTES.md, Forward (mma.sync))
     96: (128, 64, 8, 1),
     128: (256, 32, 8, 1, 4),  # 293 TFLOP/s; (128, 32, 4, 1) is faster causal but spills
     160: (128, 32, 8, 1),
