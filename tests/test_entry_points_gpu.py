@@ -62,8 +62,7 @@ def test_varlen_writes_the_given_outputs(rng):
 
     q, k, v, cu_q, cu_k = packed_inputs(rng, "bfloat16", LENGTHS_Q, LENGTHS_K, hq=4, hk=2, d=64)
     args = [to_device(x) for x in (q, k, v, cu_q, cu_k)]
-    given = (cupy.empty((4, q.shape[1], 64), q.dtype), cupy.empty((4, q.shape[1]), cupy.float32),
-             cupy.empty((4, q.shape[1]), cupy.float32))
+    given = (cupy.empty_like(args[0]), cupy.empty(q.shape[:2], cupy.float32), cupy.empty(q.shape[:2], cupy.float32))
     got = cuflash.attention_varlen(*args, 300, 257, causal=True, out=given)
     assert all(a is b for a, b in zip(got, given))
     check_varlen_forward(got, q, k, v, cu_q, cu_k, dtype="bfloat16", causal=True)
