@@ -3,6 +3,8 @@
     o, l, m = cuflash.attention(q, k, v, causal=False, scale=None)
     dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, l, m, causal=False)
     o, l, m = cuflash.attention(q, k, v, block_mask=cuflash.masks.butterfly(32), window=(512, 0))
+    o, l, m = cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, l, m = cuflash.attention_with_kvcache(q, k_cache, v_cache, page_table=pages, seqlens_k=lengths)
     o, l, m = cuflash.merge(o_a, l_a, m_a, o_b, l_b, m_b)   # attention over two key sets, combined
 
 Importing cuflash needs neither a GPU nor CuPy's CUDA libraries; they load on first call.
@@ -10,9 +12,10 @@ Importing cuflash needs neither a GPU nor CuPy's CUDA libraries; they load on fi
 
 from . import masks
 from ._api import AttentionGradients, AttentionOutput, attention, attention_backward
+from ._entry_points import attention_varlen, attention_with_kvcache
 from ._merge import merge, merge_stacked
 
-__all__ = ["attention", "attention_backward", "merge", "merge_stacked", "AttentionOutput", "AttentionGradients", "masks", "reference"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "attention_backward", "merge", "merge_stacked", "AttentionOutput", "AttentionGradients", "masks", "reference"]
 __version__ = "0.1.0"
 
 

@@ -212,6 +212,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, out=None) -> AttentionOutput:
     """Exact scaled dot-product attention, computed tile by tile (FlashAttention).
 
+    The dense and block-sparse entry point. A packed variable-length batch has its own,
+    :func:`cuflash.attention_varlen`, and so does decoding against a dense or paged KV cache,
+    :func:`cuflash.attention_with_kvcache`: they take only their mode's arguments and call this
+    function with the keywords of that mode below.
+
     Args:
         q: (..., Nq, d) query. k: (..., Nk, d) keys. v: (..., Nk, dv) values. CuPy arrays or
             any CUDA array exporting ``__dlpack__`` / ``__cuda_array_interface__`` (PyTorch,

@@ -458,6 +458,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Exact scaled dot-product attention (FlashAttention) on JAX arrays, differentiable.
 
+    The dense and block-sparse entry point. A packed variable-length batch has its own,
+    :func:`cuflash.jax.attention_varlen`, and so does decoding against a dense or paged KV
+    cache, :func:`cuflash.jax.attention_with_kvcache`: they take only their mode's arguments
+    and call this function with the keywords of that mode below.
+
     Args:
         q: (..., Nq, d). k: (..., Nk, d). v: (..., Nk, dv). float16, bfloat16 or float32,
             one dtype, on a CUDA device; d and dv multiples of 8 up to 256. Leading dims
@@ -513,3 +518,86 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
         return _decoding_jit(q, k, v, page_table, seqlens_k, options)
     options = (bool(causal), scale, mask, window)
     return _attention_jit(q, k, v, options, bool(deterministic))
+
+
+# ---- one entry point a mode ------------------------------------------------------------------
+#
+# The packed-batch and KV-cache modes of `attention`, each with only its own arguments (as
+# cuflash.attention_varlen and cuflash.attention_with_kvcache are for CuPy arrays). The static
+# and traced arguments are attention's: arrays are traced, host ints and options static.
+
+from ._entry_points import check_boundaries_given  # noqa: E402  (the block stands apart at the end)
+
+__all__ += ["attention_varlen", "attention_with_kvcache"]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal: bool = False,
+                     scale=None, window=None, deterministic: bool = False):
+    """Attention over a packed batch of sequences of different lengths, differentiable
+    (flash_attn_varlen_func).
+
+    Args:
+        q: (Hq, total_q, d), k: (Hk, total_k, d), v: (Hk, total_k, dv): the sequences
+            concatenated along the token dim, heads first (XLA passes operands row-major, so
+            flash-attn's (total, H, d) would be a transposed copy). Dtypes, head dims and
+            grouped heads as :func:`attention`'s.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) arrays, traced under jax.jit: sequence b
+            owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], ...) of
+            k and v, clamped into [0, total] by the kernels (never read by the host).
+        max_seqlen_q, max_seqlen_k: host ints sizing the grid, static (one trace a value): under
+            jax.jit close over them or name them in ``static_argnames``. None reads them from
+            concrete boundaries (eager calls only).
+        causal, window: aligned at each sequence's bottom right. scale: default 1 / sqrt(d).
+        deterministic: bit-identical gradients from run to run.
+
+    Returns:
+        o (Hq, total_q, dv) in q's dtype; rows that no sequence covers are unspecified, and so
+        are their gradients. Works eagerly and under jax.jit and jax.grad, not under jax.vmap.
+
+    Example:
+        >>> cu = jnp.array([0, 17, 130, 131], jnp.int32)                   # 3 sequences
+        >>> q = jnp.ones((8, 131, 64), jnp.bfloat16)                       # (Hq, total, d)
+        >>> o = cuflash.jax.attention_varlen(q, q, q, cu, cu, 113, 113, causal=True)
+    """
+    check_boundaries_given("cuflash.jax.attention_varlen", cu_seqlens_q, cu_seqlens_k)
+    return attention(q, k, v, causal=causal, scale=scale, window=window, deterministic=deterministic,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seqlens_k=None, num_splits=None,
+                           causal: bool = False, scale=None, window=None):
+    """Decoding: a few new queries a sequence against a dense or paged KV cache, split over the keys.
+
+    Args:
+        q: (batch..., Hq, Nq, d).
+        k_cache, v_cache: dense (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
+            ``page_table``, paged (num_pages, Hk, page_size, d) / (..., dv), page_size a power
+            of two in 16..256. XLA passes operands row-major: keep a cache in this layout, since
+            ``jnp.swapaxes`` of vLLM's (num_pages, page_size, Hk, d) copies the whole cache.
+            Hk divides Hq.
+        page_table: int32 (batch, max_pages), traced; a page index outside [0, num_pages) is
+            never read (its keys are masked).
+        seqlens_k: int32 (batch,), traced; required with ``page_table``, optional for a dense
+            cache (default Nk); clamped into [0, capacity] by the kernels.
+        num_splits: key splits of each (batch, k/v head), 1 to
+            ``cuflash._constants.MAX_DECODE_SPLITS``, static (under jax.jit close over it or
+            name it in ``static_argnames``); None chooses at trace time from the shapes and
+            JAX's default GPU.
+        causal, window: aligned at each sequence's end. scale: default 1 / sqrt(d).
+
+    With any of ``page_table``, ``seqlens_k``, ``num_splits`` the call runs the split-KV
+    decoding kernels, forward only (differentiating raises): 1 to 16 queries a head, float16
+    or bfloat16, head dims up to 128; under jax.vmap it runs once an example. Without them it
+    is :func:`attention` over a whole dense cache.
+
+    Returns:
+        o (batch..., Hq, Nq, dv) in q's dtype.
+
+    Example (one new token a sequence, inside a jitted decode step):
+        >>> k_cache = jnp.zeros((num_pages, 8, 64, 128), jnp.bfloat16)   # (pages, Hk, page_size, d)
+        >>> step = jax.jit(cuflash.jax.attention_with_kvcache)
+        >>> o = step(q, k_cache, v_cache, page_table=block_tables, seqlens_k=context_lens)
+    """
+    return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window, page_table=page_table,
+                     seqlens_k=seqlens_k, num_splits=num_splits)

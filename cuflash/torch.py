@@ -470,6 +470,11 @@ def attention(
 ):
     """Exact scaled dot-product attention (FlashAttention) on CUDA tensors, differentiable.
 
+    The dense and block-sparse entry point. A packed variable-length batch has its own,
+    :func:`cuflash.torch.attention_varlen`, and so does decoding against a dense or paged KV
+    cache, :func:`cuflash.torch.attention_with_kvcache`: they take only their mode's arguments
+    and call this function with the keywords of that mode below.
+
     Args:
         q: (..., Nq, d), e.g. SDPA's (B, H, Nq, d). k: (..., Nk, d). v: (..., Nk, dv).
             float16, bfloat16 or float32, one dtype, on one CUDA device; d and dv multiples of
@@ -585,3 +590,89 @@ class _EagerAttention(torch.autograd.Function):
             q, k, v, o, buffer = ctx.saved_tensors
             dq, dk, dv = _eager_backward(ctx.plan, do, q, k, v, o, buffer, *ctx.options, deterministic)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+# ---- one entry point a mode ------------------------------------------------------------------
+#
+# The packed-batch and KV-cache modes of `attention`, each with only its own arguments (as
+# cuflash.attention_varlen and cuflash.attention_with_kvcache are for CuPy arrays).
+
+from ._entry_points import check_boundaries_given  # noqa: E402  (the block stands apart at the end)
+
+__all__ += ["attention_varlen", "attention_with_kvcache"]
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], *,
+                     causal: bool = False, scale: Optional[float] = None, window=None, return_stats: bool = False):
+    """Attention over a packed batch of sequences of different lengths, differentiable
+    (flash_attn_varlen_func).
+
+    Args:
+        q: (Hq, total_q, d), k: (Hk, total_k, d), v: (Hk, total_k, dv) CUDA tensors, the
+            sequences concatenated along the token dim, heads first: flash-attn's (total, H, d)
+            tensors pass as ``x.transpose(0, 1)``, a view. Dtypes, head dims and grouped heads
+            as :func:`attention`'s.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) CUDA tensors on q's device: sequence b
+            owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], ...)
+            of k and v, clamped into [0, total] by the kernels (never read by the host).
+        max_seqlen_q, max_seqlen_k: host ints sizing the grid; None computes them from the
+            boundaries (one host sync; under torch.compile inside the operator).
+        causal, window: aligned at each sequence's bottom right. scale: default 1 / sqrt(d).
+        return_stats: also return the float32 softmax statistics.
+
+    Returns:
+        o (Hq, total_q, dv) in q's dtype; with ``return_stats=True`` an
+        ``AttentionOutput(o, l, m)``, l and m (Hq, total_q) float32 and not differentiable.
+        Rows that no sequence covers are unspecified, and so are their gradients. The backward
+        is bit-reproducible under ``torch.use_deterministic_algorithms(True)``; the call works
+        under torch.compile.
+
+    Example:
+        >>> cu = torch.tensor([0, 17, 130, 131], dtype=torch.int32, device="cuda")   # 3 sequences
+        >>> q = torch.randn(8, 131, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+        >>> cuflash.torch.attention_varlen(q, q, q, cu, cu, 113, 113, causal=True).sum().backward()
+    """
+    check_boundaries_given("cuflash.torch.attention_varlen", cu_seqlens_q, cu_seqlens_k)
+    return attention(q, k, v, causal=causal, scale=scale, window=window, return_stats=return_stats,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k)
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                           page_table: Optional[torch.Tensor] = None, seqlens_k: Optional[torch.Tensor] = None,
+                           num_splits: Optional[int] = None, causal: bool = False, scale: Optional[float] = None,
+                           window=None, return_stats: bool = False):
+    """Decoding: a few new queries a sequence against a dense or paged KV cache, split over the keys.
+
+    Args:
+        q: (batch..., Hq, Nq, d) CUDA tensor (flash-attn's (B, Nq, Hq, d) as ``q.transpose(1, 2)``).
+        k_cache, v_cache: dense (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
+            ``page_table``, paged (num_pages, Hk, page_size, d) / (..., dv), page_size a power
+            of two in 16..256; vLLM's (num_pages, page_size, Hk, d) passes as
+            ``.transpose(1, 2)``, a view. Hk divides Hq.
+        page_table: int32 (batch, max_pages), contiguous, on q's device; a page index outside
+            [0, num_pages) is never read (its keys are masked).
+        seqlens_k: int32 (batch,) on q's device; required with ``page_table``, optional for a
+            dense cache (default Nk); clamped into [0, capacity] by the kernels.
+        num_splits: key splits of each (batch, k/v head), 1 to
+            ``cuflash._constants.MAX_DECODE_SPLITS``; None chooses from the shapes and the GPU.
+        causal, window: aligned at each sequence's end. scale: default 1 / sqrt(d).
+        return_stats: also return the float32 softmax statistics.
+
+    With any of ``page_table``, ``seqlens_k``, ``num_splits`` the call runs the split-KV
+    decoding kernels, forward only (on tensors that need no grad), capturable in a CUDA graph
+    with fixed buffers: 1 to 16 queries a head, float16 or bfloat16, head dims up to 128.
+    Without them it is :func:`attention` over a whole dense cache.
+
+    Returns:
+        o (batch..., Hq, Nq, dv) in q's dtype; with ``return_stats=True`` an
+        ``AttentionOutput(o, l, m)``, l and m (batch..., Hq, Nq) float32.
+
+    Example (vLLM's cache layout, one new token a sequence):
+        >>> k_cache = torch.zeros(num_pages, 64, 8, 128, dtype=torch.float16, device="cuda")
+        >>> o = cuflash.torch.attention_with_kvcache(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+        ...                                          page_table=block_tables, seqlens_k=context_lens)
+    """
+    return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window, return_stats=return_stats,
+                     page_table=page_table, seqlens_k=seqlens_k, num_splits=num_splits)
