@@ -56,6 +56,7 @@ import sys
 import time
 from typing import Optional
 
+from .. import _requirements
 from . import common, decode, e2e, host, io, memory, sparse, speed, varlen
 
 TABLES = ("speed", "memory", "io", "sparse", "decode", "varlen", "host", "e2e")
@@ -620,8 +621,6 @@ def run(args) -> int:
 
 
 def main(argv=None, prog: str = common.PROG) -> int:
-    from cuflash import _requirements
-
     args = parse_args(argv, prog)
     reason = _requirements.gpu_unavailable()
     if reason:
