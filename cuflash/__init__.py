@@ -7,15 +7,25 @@
     o, l, m = cuflash.attention_with_kvcache(q, k_cache, v_cache, page_table=pages, seqlens_k=lengths)
     o, l, m = cuflash.merge(o_a, l_a, m_a, o_b, l_b, m_b)   # attention over two key sets, combined
 
-Importing cuflash needs neither a GPU nor CuPy's CUDA libraries; they load on first call.
+Importing cuflash needs neither a GPU nor CuPy; they load on first call. Without CuPy, a call
+that launches kernels raises ModuleNotFoundError naming the pip extra that installs it.
 """
 
-from . import masks
+from . import _requirements, masks
 from ._api import AttentionGradients, AttentionOutput, attention, attention_backward
 from ._entry_points import attention_varlen, attention_with_kvcache
 from ._merge import merge, merge_stacked
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "attention_backward", "merge", "merge_stacked", "AttentionOutput", "AttentionGradients", "masks", "reference"]
+if not _requirements.installed("cupy"):
+    # Only then: with CuPy present the public functions stay the plain ones, free of the check.
+    # merge needs no CuPy (it takes NumPy arrays too).
+    attention = _requirements.needs_cupy(attention)
+    attention_backward = _requirements.needs_cupy(attention_backward)
+    attention_varlen = _requirements.needs_cupy(attention_varlen)
+    attention_with_kvcache = _requirements.needs_cupy(attention_with_kvcache)
+
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "attention_backward", "merge", "merge_stacked",
+           "AttentionOutput", "AttentionGradients", "masks", "reference"]
 __version__ = "0.1.0"
 
 

@@ -12,6 +12,9 @@ wgmma instructions ptxas serializes (notes C7514, C7518, C7520), and lists its o
 
 --warm compiles every variant for the GPU at hand, in parallel processes, into CuPy's disk
 cache, so that first calls (and test runs on a fresh machine) find them built.
+
+Without CuPy (whose NVRTC builds the kernels), or with --warm and no usable GPU, it prints one
+line saying so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import multiprocessing
 import os
 import sys
 
-from . import _config, _loader
+from . import _config, _loader, _requirements
 
+PROG = "cuflash-compile-check"  # the command pyproject.toml installs
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 SPILL_BUDGET_BYTES = 48
 
@@ -89,14 +93,21 @@ def warm(jobs=None, variants=None):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
     parser.add_argument("--spill-budget", type=int, default=SPILL_BUDGET_BYTES,
                         help="fail on a variant that spills more bytes than this (stores)")
     parser.add_argument("--warm", action="store_true", help="build for the GPU at hand into the disk cache")
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args(argv)
+    if not _requirements.installed("cupy"):
+        print(_requirements.missing_cupy(parser.prog), file=sys.stderr)
+        return 2
     if args.warm:
+        reason = _requirements.gpu_unavailable()
+        if reason:
+            print(f"{parser.prog}: --warm builds for the GPU at hand: {reason}", file=sys.stderr)
+            return 2
         print(f"built {warm(args.jobs)} variants for the current GPU into CuPy's kernel cache")
         return 0
     from tabulate import tabulate

@@ -32,9 +32,17 @@ import functools
 import math
 import types
 
-import jax
 import numpy as np
-from jax.experimental.buffer_callback import buffer_callback
+
+from . import _requirements
+
+try:
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+except ModuleNotFoundError as error:
+    raise _requirements.framework_error(error, "cuflash.jax") from None
+if not _requirements.installed("cupy"):
+    raise _requirements.missing_cupy("cuflash.jax")
 
 from . import _api, _broadcast, _checks, _decode, _plan
 

@@ -18,7 +18,14 @@ import math
 import threading
 from typing import Optional, Tuple
 
-import torch
+from . import _requirements
+
+try:
+    import torch
+except ModuleNotFoundError as error:
+    raise _requirements.framework_error(error, "cuflash.torch") from None
+if not _requirements.installed("cupy"):
+    raise _requirements.missing_cupy("cuflash.torch")
 
 from . import _broadcast, _checks, _config, _decode, _plan, _views
 from ._api import AttentionOutput

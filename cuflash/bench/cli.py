@@ -38,10 +38,12 @@ Tables, in this order (TABLES), on stdout as each is done; a progress bar on std
 
 The tables fit CAPTION_WIDTH (120) columns; --wide adds every peer's own columns. A peer that
 fails or is missing shows as a dash with the reason in a footnote. A cuflash failure shows as
-FAILED with its reason, and the exit status is then 1. With no CUDA device: the tables that
-need none (io without --io: the analytical counts) are printed, then one line on stderr and
-exit status 2 (0 when nothing else was asked for). Bad arguments: argparse's message and exit
-status 2.
+FAILED with its reason, and the exit status is then 1. Without a usable GPU (no CuPy, no
+driver, no device): the io table's analytical counts are printed (when io is asked for, without
+--io), then one line on stderr naming the tables that were not run and why; the exit status is
+0 when every table asked for was printed, else 2, so that a script asking for measurements
+never takes their absence for success (``cuflash-bench --tables io`` runs anywhere). Bad
+arguments: argparse's message and exit status 2.
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ import sys
 import time
 from typing import Optional
 
+from .. import _requirements
 from . import common, decode, e2e, host, io, memory, sparse, speed, varlen
 
 TABLES = ("speed", "memory", "io", "sparse", "decode", "varlen", "host", "e2e")
 ALL_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "cuflash_torch")
 DEFAULT_PEERS = ("standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
-NO_GPU_RUNTIME = "no CUDA device found: runtime not measured"
+NO_GPU_RUNTIME = "runtime not measured: it needs a CUDA GPU"
 CSV_FIELDS = ("table", "dtype", "mode", "seqlen", "hdim", "batch", "heads", "kv_heads", "causal",
               "backend", "pattern", "density", "tiles", "status", "ms", "tflops", "flops",
               "host_us", "peak_bytes", "bytes_read", "bytes_written", "bytes_source", "error")
@@ -105,8 +108,9 @@ def build_parser(prog: str = common.PROG) -> argparse.ArgumentParser:
         description="cuflash and its peers side by side on the GPU at hand: speed, memory, "
                     "IO (the FlashAttention paper's Fig. 2), block-sparse, decode, "
                     "variable-length (packed against padded), host-time and end-to-end tables.",
-        epilog="Tables go to stdout, progress to stderr. Exit status: 0 done, 1 a cuflash "
-               "measurement failed, 2 bad arguments or no CUDA device.")
+        epilog="Tables go to stdout, progress to stderr. Without a GPU only the io table's "
+               "counts are made (--tables io). Exit status: 0 done, 1 a cuflash measurement "
+               "failed, 2 bad arguments or a table asked for needs a GPU and there is none.")
     parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
                         help="tables to make (default: all)")
     parser.add_argument("--seqlens", type=positive_int, nargs="+",
@@ -475,15 +479,30 @@ def io_failures(result: dict) -> list:
     return failed
 
 
-def run_analytical_io(args) -> int:
-    """The io table without a GPU: the counts, runtime marked as not measured."""
+def run_analytical_io(args, reason: str) -> None:
+    """The io table without a GPU (``reason`` says why there is none): the counts, runtime
+    marked as not measured."""
     notes = common.Footnotes()
     result = io.analytical_io(io_dtype(args))
     print(io.format_io(result, notes, args.tablefmt, no_gpu_reason=NO_GPU_RUNTIME), flush=True)
-    results = {"info": {"gpu": None, "reason": "no CUDA device found", "commit": common.git_commit()},
+    results = {"info": {"gpu": None, "reason": reason, "commit": common.git_commit()},
                "settings": settings(args), "io": {"result": result, "footnotes": notes.texts}}
     write_outputs(args, results)
-    return 0
+
+
+def run_without_gpu(args, reason: str, prog: str = common.PROG) -> int:
+    """What can run without a GPU (``reason`` says why there is none): the io table's
+    analytical counts, then one line on stderr naming the tables not run. Exit status 0 when
+    every table asked for was printed, else 2."""
+    counts_only = "io" in args.tables and not args.io
+    if counts_only:
+        run_analytical_io(args, reason)
+    not_run = ["io --io" if t == "io" else t for t in args.tables if not (t == "io" and counts_only)]
+    if not not_run:
+        return 0
+    print(f"{prog}: {', '.join(not_run)}: not run, they need a CUDA GPU ({reason}). "
+          f"{prog} --tables io runs without one.", file=sys.stderr)
+    return 2
 
 
 def write_outputs(args, results: dict) -> None:
@@ -603,13 +622,9 @@ def run(args) -> int:
 
 def main(argv=None, prog: str = common.PROG) -> int:
     args = parse_args(argv, prog)
-    if common.device_count() == 0:
-        if "io" in args.tables and not args.io:
-            run_analytical_io(args)
-            if args.tables == ["io"]:
-                return 0
-        print(common.NO_DEVICE_MESSAGE, file=sys.stderr)
-        return 2
+    reason = _requirements.gpu_unavailable()
+    if reason:
+        return run_without_gpu(args, reason, prog)
     return run(args)
 
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 PROG = "cuflash-bench"
-NO_DEVICE_MESSAGE = f"{PROG}: no CUDA device found"
 TOKENS = 16384  # tokens per batch in the papers' harness
 HIDDEN = 2048  # heads * head_dim
 L2_BYTES = 60 * 10**6  # the H100/H200 L2; the device's own size is used when larger
@@ -262,20 +261,14 @@ def as_progress(progress) -> Any:
 # ---- the GPU environment -----------------------------------------------------------------
 
 
-def device_count() -> int:
-    """CUDA devices CuPy sees; 0 without CuPy, driver or device (the same for the user)."""
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
 def require_device(prog: str = PROG):
-    """Import CuPy and check for a device; exit 2 with one clear line if there is none."""
-    if device_count() == 0:
-        print(f"{prog}: no CUDA device found", file=sys.stderr)
+    """Import CuPy and check for a device; exit 2 with one line saying why there is none
+    (CuPy missing, with the extra that installs it; no driver; no device)."""
+    from cuflash import _requirements
+
+    reason = _requirements.gpu_unavailable()
+    if reason:
+        print(f"{prog}: {reason}", file=sys.stderr)
         raise SystemExit(2)
     import cupy
 
