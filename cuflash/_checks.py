@@ -103,6 +103,8 @@ def itemsize(dtype: str) -> int:
 def resolve_scale(scale, d):
     if scale is None:
         return 1.0 / math.sqrt(d)
+    if isinstance(scale, (bool, np.bool_)):  # float(True) would pass as 1.0
+        raise TypeError(f"scale must be a real number, got {scale!r}")
     try:
         value = float(scale)
     except (TypeError, ValueError):
