@@ -13,7 +13,11 @@ offset arithmetic are all exercised.
 and d != dv), causal with Nq < Nk and Nq > Nk (rows without keys), and block-sparse and
 windowed cases when cuflash.attention takes them. ``--subset one`` (racecheck, synccheck, which
 are slow): one case per variant. Both subsets hold, per 16-bit dtype, a case of 300 slices
-(MANY_ITEMS) whose persistent key pass walks several items a CTA.
+(MANY_ITEMS) whose persistent key pass walks several items a CTA, and packed batches (varlen)
+over every head-dim bucket whose boundaries hold empty sequences, a sequence without keys and
+entries outside [0, total], which the kernels must clamp (packed_lengths). On wgmma GPUs the
+grouped key pass (a CTA walks every query head of its k/v head), which the dispatcher takes
+only for large grids, is forced for the cases with grouped heads.
 
 Decoding (cuflash._decode): every variant, dense and paged (vLLM's layout as a view), split and
 not, with lengths past the capacity and page-table entries outside [0, num_pages), which the
@@ -21,14 +25,17 @@ kernels must clamp and mask without reading out of bounds.
 
 CuPy's memory pool is switched off, so every array is its own cudaMalloc: a read past the end
 of an input, or of an output never written (initcheck), is caught instead of landing in a
-neighbour's block. The last line says how many of ``_config.all_variants()`` (for this GPU)
-ran.
+neighbour's block. The last line says how many of ``_config.variants_for()`` (this GPU's
+variants) ran, and how many of their families (:func:`family`: a kernel with its form flags,
+per dtype); tests/test_sanitize_cases.py checks on the CPU that the case list reaches every
+family the enumeration holds, so a new family without a case fails there.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import sys
 import time
@@ -38,7 +45,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gpu_util import random_array, tma_refused  # noqa: E402
+from gpu_util import head_group_forced, random_array, tma_refused  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash import _config, _constants, _loader, _tiles, masks  # noqa: E402
@@ -60,6 +67,7 @@ class Case(NamedTuple):
     causal: bool
     sparse: Optional[str] = None  # None, "block", "window" or "block+window"
     slices: Optional[tuple] = None  # (batch, query heads, k/v heads); None: run_case's
+    varlen: bool = False  # a packed batch whose longest sequences are nq and nk (PACKED_LENGTHS)
 
 
 def _mask_support():
@@ -76,6 +84,8 @@ def cases(subset):
         for d in dims:
             out.append(Case(dtype, d, d, short, long, False))
             out.append(Case(dtype, d, d, long, short, True))  # rows 0..53 see no key
+            out += [Case(dtype, d, d, short, long, False, varlen=True),
+                    Case(dtype, d, d, long, short, True, varlen=True)]
             if subset == "all":
                 out.append(Case(dtype, d, d, short, long, True))
         if dtype != "float32":
@@ -172,11 +182,18 @@ def strided(rng, batch, heads, n, d, dtype):
     return cupy.asarray(random_array(rng, (batch, n, heads, d), dtype)).swapaxes(1, 2)
 
 
+def slices_of(case, subset) -> tuple:
+    """(batch, query heads, k/v heads) of a case: its own, or for ``all`` 2 batches of 4 query
+    heads on 2 kv heads (grouped), for ``one`` 2 heads on one kv head."""
+    return case.slices or ((2, 4, 2) if subset == "all" else (1, 2, 1))
+
+
 def run_case(case, rng, subset):
     import cupy
 
-    # all: 2 batches of 4 query heads on 2 kv heads (grouped); one: 2 heads on one kv head
-    batch, hq, hkv = case.slices or ((2, 4, 2) if subset == "all" else (1, 2, 1))
+    if case.varlen:
+        return run_varlen_case(case, rng, subset)
+    batch, hq, hkv = slices_of(case, subset)
     q = strided(rng, batch, hq, case.nq, case.d, case.dtype)
     k = strided(rng, batch, hkv, case.nk, case.d, case.dtype)
     v = strided(rng, batch, hkv, case.nk, case.dv, case.dtype)
@@ -189,16 +206,159 @@ def run_case(case, rng, subset):
     return all(bool(cupy.isfinite(x).all()) for x in results)
 
 
+def packed_lengths(nq, nk) -> tuple:
+    """A packed batch's sequences around a case's longest (nq, nk), as (query rows, keys): one
+    without queries, the longest, one without keys, and a shorter one. packed_boundaries adds
+    a boundary before row 0 and one past the last row: two more sequences, empty once clamped."""
+    return (0, 1), (nq, nk), (1, 0), (nq // 2, nk // 3)
+
+
+PACKED_BEFORE, PACKED_PAST = -5, 40
+
+
+def packed_boundaries(lengths) -> np.ndarray:
+    """int32 boundaries of sequences of ``lengths`` from row 0, with a first one PACKED_BEFORE
+    and a last one PACKED_PAST the rows."""
+    ends = np.cumsum([0, *lengths])
+    return np.array([PACKED_BEFORE, *ends, ends[-1] + PACKED_PAST], np.int32)
+
+
+def run_varlen_case(case, rng, subset):
+    """A packed batch (packed_lengths) in flash-attn's (total, heads, d) layout, seen as
+    (heads, total, d), forward and backward. The gradients go to zeroed out= buffers: the key
+    rows of a sequence without queries need not be written."""
+    import cupy
+
+    _, hq, hkv = slices_of(case, subset)
+    lengths_q, lengths_k = zip(*packed_lengths(case.nq, case.nk))
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q, do = (strided(rng, 1, hq, total_q, dim, case.dtype)[0] for dim in (case.d, case.dv))
+    k, v = (strided(rng, 1, hkv, total_k, dim, case.dtype)[0] for dim in (case.d, case.dv))
+    packed = dict(causal=case.causal, cu_seqlens_q=cupy.asarray(packed_boundaries(lengths_q)),
+                  cu_seqlens_k=cupy.asarray(packed_boundaries(lengths_k)), max_seqlen_q=case.nq,
+                  max_seqlen_k=case.nk)
+    out = cuflash.attention(q, k, v, **packed)
+    results = [out.o]
+    for deterministic in (False, True) if case.dtype != "float32" else (False,):
+        grads = tuple(cupy.zeros(x.shape, x.dtype) for x in (q, k, v))
+        results += cuflash.attention_backward(do, q, k, v, *out, deterministic=deterministic, out=grads, **packed)
+    return all(bool(cupy.isfinite(x).all()) for x in results)
+
+
+# The contexts a case runs in besides the dispatcher's own choice: the wgmma forward off, inputs
+# the copy engine 'cannot map' (the wgmma kernels' cp.async forms), the mma.sync backward, and
+# the grouped wgmma key pass (a CTA walks every query head of its k/v head; dispatched only for
+# grids of GROUPED_BACKWARD_WAVES waves). A form joins them with '+'.
+FORM_CONTEXTS = {
+    "wgmma off": lambda: _config.wgmma_forward(False),
+    "cp.async": tma_refused,
+    "wgmma backward off": lambda: _config.wgmma_backward(False),
+    "grouped": lambda: head_group_forced("all"),
+}
+
+
 def _form(form):
-    """The context a case runs in: as dispatched, with the wgmma forward off, with inputs the
-    copy engine 'cannot map' (the wgmma forward's cp.async form), or with the mma.sync backward."""
-    if form == "wgmma off":
-        return _config.wgmma_forward(False)
-    if form == "cp.async":
-        return tma_refused()
-    if form == "wgmma backward off":
-        return _config.wgmma_backward(False)
-    return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for part in filter(None, form.split("+")):
+        stack.enter_context(FORM_CONTEXTS[part]())
+    return stack
+
+
+SM_COUNT = 132  # the SMs the model below assumes (an H100's, an H200's), as the decode cases do
+
+
+def launched_by(case, form, subset, arch) -> set:
+    """The variants one run launches on a GPU of ``arch`` with SM_COUNT SMs, as cuflash's
+    choice functions (cuflash._config) pick them under the run's form: the dispatch, modelled
+    without a GPU (what the coverage line of a GPU run measures)."""
+    from cuflash import _variants
+
+    parts = set(filter(None, form.split("+")))
+    tma = "cp.async" not in parts
+    if isinstance(case, DecodeCase):
+        hq, hk = case.heads
+        rows, sequences = hq // hk * case.nq, DECODE_BATCH * hk
+        variant = _config.decode_config(case.dtype, case.d, case.d, case.page_size is not None, rows, sequences,
+                                        DECODE_CAPACITY, SM_COUNT)
+        key_tiles = -(-DECODE_CAPACITY // variant.block_cols)
+        ctas = sequences * -(-rows // variant.block_rows)
+        splits = case.num_splits or _config.decode_splits(ctas, key_tiles, SM_COUNT)[0]
+        combine = _config.decode_combine_config(case.dtype, sequences * rows, SM_COUNT)
+        return {variant, combine} if splits > 1 else {variant}
+    batch, hq, hkv = slices_of(case, subset)
+    block_mask = bool(case.sparse and "block" in case.sparse)
+    wgmma = _config.has_wgmma(arch)
+    forward = dict(sparse=block_mask, wgmma=wgmma and "wgmma off" not in parts, nq=case.nq, tma=tma,
+                   varlen=case.varlen, slices=batch * hq)
+    variant = _config.forward_config(case.dtype, case.d, case.dv, case.causal, **forward)
+    if block_mask and isinstance(variant, _variants.HopperForward):
+        # The mean key tiles a query tile visits, at most all of them: exact for the choice
+        # where that bound is within _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES (the cases' keys are few).
+        variant = _config.forward_config(case.dtype, case.d, case.dv, case.causal,
+                                         row_tiles=-(-case.nk // variant.block_cols), **forward)
+    launched = {variant}
+    for deterministic in (False, True) if case.dtype != "float32" else (False,):
+        plan = _config.backward_plan(case.dtype, case.d, case.dv, case.causal, deterministic,
+                                     hopper=_config.is_hopper(arch), sparse=block_mask, wgmma=wgmma,
+                                     wgmma_backward_on="wgmma backward off" not in parts, varlen=case.varlen,
+                                     grouped="grouped" in parts and hq > hkv, tma=tma, nk=case.nk,
+                                     slices=batch * hq)
+        launched |= {plan.preprocess, *plan.key_passes, plan.dq} - {None}
+    if case.dtype != "float32" or hq > hkv:  # a float32 accumulator to convert, or grouped heads to sum
+        launched.add(_variants.GradientReduce(case.dtype))
+    return launched
+
+
+def runs(subset, arch) -> list:
+    """[(case, form)] that main() runs on a GPU of compute capability ``arch``."""
+    case_list = cases(subset)
+    out = [(case, "") for case in case_list] + [(case, "") for case in decode_cases(subset)]
+    if _config.has_wgmma(arch):
+        # The forms the default wgmma kernels replace stay reachable: the mma.sync forward
+        # (CUFLASH_WGMMA=0) and backward (CUFLASH_WGMMA_BWD=0), the cp.async wgmma forward
+        # (inputs TMA cannot map). Run the cases that pick the wgmma kernels once more in each,
+        # and (the cases are short, so persistent where the table says so) with LONG_QUERIES
+        # query rows, which run one item a CTA, through TMA and through cp.async.
+        hopper = [case for case in case_list
+                  if case.dtype != "float32" and case.d == case.dv and case.d in _tiles.SM90_FORWARD_TILES]
+        out += [(case, form) for form in ("wgmma off", "cp.async", "wgmma backward off") for case in hopper]
+        persistent = [case for case in hopper
+                      if _config.forward_config(case.dtype, case.d, case.dv, case.causal, wgmma=True, nq=case.nq).persistent]
+        out += [(case._replace(nq=LONG_QUERIES), form) for form in ("", "cp.async") for case in persistent]
+        grouped = [case for case in hopper if not case.sparse
+                   and any(getattr(v, "grouped", False) for v in launched_by(case, "grouped", subset, arch))]
+        out += [(case, form) for form in ("grouped", "grouped+cp.async") for case in grouped]
+    if subset == "one":  # a run only where it launches a variant no earlier run does (and MANY_ITEMS)
+        seen, kept = set(), []
+        for case, form in out:
+            new = launched_by(case, form, subset, arch) - seen
+            if new or getattr(case, "slices", None):
+                kept.append((case, form))
+                seen |= new
+        out = kept
+    return out
+
+
+# Flags that vary inside a family: the mask's causality, which gradients a key pass writes,
+# and the wgmma forward's schedule (fixed per head dim by the tile table).
+FLAGS_INSIDE_A_FAMILY = ("causal", "do_dk", "do_dv", "atomic_dq", "overlap", "pingpong")
+
+
+def family(variant) -> str:
+    """A variant's family: its kind (key prefix), dtype and the form flags it has set, e.g.
+    'bwd_sm90 bfloat16 grouped tma varlen'. A new flag or a new kind of kernel is a new family."""
+    flags = sorted(field.name for field in dataclasses.fields(variant)
+                   if field.name not in FLAGS_INSIDE_A_FAMILY and getattr(variant, field.name) is True)
+    return " ".join([variant.key_prefix, variant.dtype, *flags])
+
+
+def families_line(variants, launched: set) -> str:
+    """How many of the families of ``variants`` had a variant among the ``launched`` keys."""
+    families = {family(v) for v in variants}
+    reached = {family(v) for v in variants if v.key in launched}
+    missing = sorted(families - reached)
+    return (f"families covered {len(reached)} of {len(families)}"
+            + (f"; families missing: {', '.join(missing)}" if missing else ""))
 
 
 def shard(text: str) -> tuple:
@@ -234,12 +394,13 @@ def main(argv=None) -> int:
     import cupy
 
     arch = cupy.cuda.Device().compute_capability
-    known = {v.key for v in _config.variants_for(arch)}
+    variants = _config.variants_for(arch)
+    known = {v.key for v in variants}
     if args.coverage:
         launched = set()
         for path in args.coverage:
             launched |= set(Path(path).read_text().split())
-        print(coverage_line(known, launched))
+        print(f"{coverage_line(known, launched)}; {families_line(variants, launched)}")
         return 0
 
     cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: nothing hides an overrun
@@ -254,22 +415,8 @@ def main(argv=None) -> int:
     _loader.get_kernel = recording_get_kernel
     rng = np.random.default_rng(args.seed)
     failures = 0
-    case_list = cases(args.subset)
-    runs = [(case, "") for case in case_list] + [(case, "") for case in decode_cases(args.subset)]
-    if _config.has_wgmma(arch):
-        # The forms the default wgmma kernels replace stay reachable: the mma.sync forward
-        # (CUFLASH_WGMMA=0) and backward (CUFLASH_WGMMA_BWD=0), the cp.async wgmma forward
-        # (inputs TMA cannot map). Run the cases that pick the wgmma kernels once more in each,
-        # and (the cases are short, so persistent where the table says so) with LONG_QUERIES
-        # query rows, which run one item a CTA, through TMA and through cp.async.
-        hopper = [case for case in case_list
-                  if case.dtype != "float32" and case.d == case.dv and case.d in _tiles.SM90_FORWARD_TILES]
-        runs += [(case, form) for form in ("wgmma off", "cp.async", "wgmma backward off") for case in hopper]
-        persistent = [case for case in hopper
-                      if _config.forward_config(case.dtype, case.d, case.dv, case.causal, wgmma=True, nq=case.nq).persistent]
-        runs += [(case._replace(nq=LONG_QUERIES), form) for form in ("", "cp.async") for case in persistent]
     k, n = args.shard
-    for case, form in runs[k::n]:
+    for case, form in runs(args.subset, arch)[k::n]:
         start = time.perf_counter()
         with _form(form):
             finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
@@ -278,7 +425,8 @@ def main(argv=None) -> int:
         print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
     if args.launched:
         Path(args.launched).write_text("".join(key + "\n" for key in sorted(launched)))
-    print(("" if n == 1 else f"shard {k}/{n}: ") + coverage_line(known, launched))
+    print(("" if n == 1 else f"shard {k}/{n}: ")
+          + f"{coverage_line(known, launched)}; {families_line(variants, launched)}")
     return 3 if failures else 0  # 1 is compute-sanitizer's --error-exitcode
 
 
