@@ -112,3 +112,21 @@ def element_mask_of(nq, nk, kwargs):
 
 
 SEEDS = st.integers(0, 2**32 - 1)  # drawn as an int so that a failing example prints it
+
+
+def lengths(max_length):
+    """A sequence length in [0, max_length], 0 and 1 drawn often: the edge cases of every
+    packed or cached layout."""
+    return st.one_of(st.sampled_from((0, 1)), st.integers(0, max_length))
+
+
+def head_dims(max_dim):
+    """(d, dv): multiples of 8 up to max_dim, dv often equal to d."""
+    dim = st.integers(1, max_dim // 8).map(lambda x: 8 * x)
+    return dim.flatmap(lambda d: st.tuples(st.just(d), st.one_of(st.just(d), dim)))
+
+
+def windows(max_side):
+    """None or a (left, right) window, each side -1 (unbounded) or 0 .. max_side."""
+    side = st.one_of(st.just(-1), st.integers(0, max_side))
+    return st.one_of(st.none(), st.tuples(side, side))
