@@ -1,6 +1,6 @@
 """cuflash._validate, the opt-in checks of page tables, lengths and cu_seqlens, with NumPy arrays
 standing in for device arrays (each check copies its array to the host first, so the rules are
-the same)."""
+the same); on a GPU, CuPy arrays, and a check inside a stream capture (skipped)."""
 
 import subprocess
 import sys
@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import requires_gpu
 from cuflash import _validate
 
 
@@ -86,3 +87,27 @@ def test_the_environment_switch_is_read_at_import(value, expected):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.strip() == str(expected)
+
+
+@requires_gpu
+def test_device_arrays_are_copied_to_the_host_except_while_a_stream_captures():
+    import cupy
+
+    lengths = cupy.asarray(np.array([0, 9], np.int32))
+    with pytest.raises(ValueError, match=r"seqlens_k\[1\] = 9 is outside \[0, 8\]"):
+        _validate.check_seqlens_k(lengths, capacity=8)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[1\] = 9"):
+        _validate.check_varlen_inputs(lengths, lengths, total_q=8, total_k=9)
+    marker = cupy.zeros(4, np.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    with stream:
+        stream.begin_capture()
+        try:
+            _validate.check_seqlens_k(lengths, capacity=8)  # a host copy would break the capture: skipped
+            marker.fill(1)
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert int(marker.sum()) == 4
