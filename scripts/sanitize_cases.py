@@ -12,7 +12,8 @@ offset arithmetic are all exercised.
 ``--subset all`` (memcheck, initcheck): each dtype x head dims 32..256 (every bucket, plus 40
 and d != dv), causal with Nq < Nk and Nq > Nk (rows without keys), and block-sparse and
 windowed cases when cuflash.attention takes them. ``--subset one`` (racecheck, synccheck, which
-are slow): one case per variant. Both subsets hold, per 16-bit dtype, a case of 300 slices
+are slow): one case per variant, and of the runs only those that launch a variant no earlier
+run does (:func:`runs`). Both subsets hold, per 16-bit dtype, a case of 300 slices
 (MANY_ITEMS) whose persistent key pass walks several items a CTA, and packed batches (varlen)
 over every head-dim bucket whose boundaries hold empty sequences, a sequence without keys and
 entries outside [0, total], which the kernels must clamp (packed_lengths). On wgmma GPUs the
@@ -67,7 +68,7 @@ class Case(NamedTuple):
     causal: bool
     sparse: Optional[str] = None  # None, "block", "window" or "block+window"
     slices: Optional[tuple] = None  # (batch, query heads, k/v heads); None: run_case's
-    varlen: bool = False  # a packed batch whose longest sequences are nq and nk (PACKED_LENGTHS)
+    varlen: bool = False  # a packed batch whose longest sequences are nq and nk (packed_lengths)
 
 
 def _mask_support():
