@@ -12,6 +12,7 @@ has entered its device (decoding, out=) and the adapters (torch, JAX) need a GPU
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Callable, NamedTuple
 
@@ -75,12 +76,16 @@ def backward(do=Q, o=Q, l=STATS, m=STATS, q=Q, k=KV, v=KV, **kwargs):
     return cuflash.attention_backward(*arrays, **kwargs)
 
 
-def varlen(q=VQ, k=VKV, v=VKV, cu_q=(3,), cu_k=(3,), **kwargs):
-    """cuflash.attention on a packed batch of two sequences (int32 boundaries)."""
+def varlen(q=VQ, k=VKV, v=VKV, cu_q=(3,), cu_k=(3,), entry="attention", **kwargs):
+    """cuflash.attention, or with ``entry`` cuflash.attention_varlen, on a packed batch of two
+    sequences (int32 boundaries)."""
     kwargs.setdefault("max_seqlen_q", 50)
     kwargs.setdefault("max_seqlen_k", 40)
     q, k, v = (make(x) if isinstance(x, tuple) else x for x in (q, k, v))
     cu_q, cu_k = (make(c, I32) if isinstance(c, tuple) else c for c in (cu_q, cu_k))
+    if entry == "attention_varlen":
+        return cuflash.attention_varlen(q, k, v, cu_q, cu_k, kwargs.pop("max_seqlen_q"), kwargs.pop("max_seqlen_k"),
+                                        **kwargs)
     return cuflash.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kwargs)
 
 
@@ -250,6 +255,32 @@ VARLEN = [
 ]
 
 
+def varlen_case(argument, label, call, error, match):
+    return Bad("attention_varlen", argument, label, call, error, match)
+
+
+VARLEN_ENTRY = [
+    varlen_case("q", "4-D", lambda: varlen(q=Q, entry="attention_varlen"), ValueError,
+                r"with cu_seqlens, q must have shape \(heads, total_tokens, head_dim\)"),
+    varlen_case("k", "3 heads", lambda: varlen(k=(3, 80, 64), v=(3, 80, 64), entry="attention_varlen"), ValueError,
+                r"do not broadcast: q \(4, 100, 64\), k \(3, 80, 64\)"),
+    varlen_case("v", "rows unlike k's", lambda: varlen(v=(2, 81, 64), entry="attention_varlen"), ValueError,
+                r"k and v sequence lengths differ"),
+    varlen_case("cu_seqlens_q", "None", lambda: varlen(cu_q=None, entry="attention_varlen"), TypeError,
+                r"attention_varlen needs cu_seqlens_q, an int32 array of length batch \+ 1 .*got None"),
+    varlen_case("cu_seqlens_k", "int64", lambda: varlen(cu_k=make((3,), np.int64), entry="attention_varlen"),
+                ValueError, r"cu_seqlens_k must be a 1-D int32 array .*dtype int64"),
+    varlen_case("max_seqlen_q", "-1", lambda: varlen(max_seqlen_q=-1, entry="attention_varlen"), ValueError,
+                r"max_seqlen_q must be >= 0, got -1"),
+    varlen_case("max_seqlen_k", "float", lambda: varlen(max_seqlen_k=2.5, entry="attention_varlen"), TypeError,
+                r"max_seqlen_k must be a host int \(or None\), got float 2.5"),
+    varlen_case("scale", "0", lambda: varlen(scale=0.0, entry="attention_varlen"), ValueError,
+                r"scale must be finite and positive, got 0.0"),
+    varlen_case("window", "a side -3", lambda: varlen(window=(0, -3), entry="attention_varlen"), ValueError,
+                r"window right must be >= -1, got -3"),
+]
+
+
 def _parts(o=(2, 3, 8), l=(2, 3), o_dtype=F32, l_dtype=F32, m_dtype=F32):
     return np.zeros(o, o_dtype), np.zeros(l, l_dtype), np.zeros(l, m_dtype)
 
@@ -357,7 +388,7 @@ MASKS = [
                r"does not fit Nq=100, Nk=10: Nq=100 needs ceil\(100/16\) = 7 query blocks, the mask has Tq=2"),
 ]
 
-BEFORE_THE_GPU = DENSE + BACKWARD + VARLEN + MERGE + MASKS
+BEFORE_THE_GPU = DENSE + BACKWARD + VARLEN + VARLEN_ENTRY + MERGE + MASKS
 
 
 def case_id(bad: Bad) -> str:
@@ -391,8 +422,8 @@ def test_every_argument_of_every_entry_point_has_a_bad_case():
     """Each argument of each public function has a case: a new argument without one fails."""
     import inspect
 
-    functions = {"attention": cuflash.attention, "attention_backward": cuflash.attention_backward,
-                 "merge": cuflash.merge, "merge_stacked": cuflash.merge_stacked}
+    functions = {name: getattr(cuflash, name) for name in (
+        "attention", "attention_varlen", "attention_with_kvcache", "attention_backward", "merge", "merge_stacked")}
     assert set(functions) == {name for name in cuflash.__all__ if inspect.isfunction(getattr(cuflash, name))}
     tried = {}
     for bad in BEFORE_THE_GPU + GPU_ONLY:
@@ -405,11 +436,12 @@ def test_every_argument_of_every_entry_point_has_a_bad_case():
 
 # ---- checked after the call has entered its device: GPU only ---------------------------------
 
-def decode(q=PAGED_Q, k=PAGES, v=PAGES, page_table=(3, 4), seqlens_k=(3,), **kwargs):
-    """cuflash.attention against a paged cache of 20 pages of 16 keys, 3 sequences."""
+def decode(q=PAGED_Q, k=PAGES, v=PAGES, page_table=(3, 4), seqlens_k=(3,), entry="attention", **kwargs):
+    """cuflash.attention, or with ``entry`` cuflash.attention_with_kvcache, against a paged cache
+    of 20 pages of 16 keys, 3 sequences."""
     q, k, v = (make(x) if isinstance(x, tuple) else x for x in (q, k, v))
     page_table, seqlens_k = (make(x, I32) if isinstance(x, tuple) else x for x in (page_table, seqlens_k))
-    return cuflash.attention(q, k, v, page_table=page_table, seqlens_k=seqlens_k, **kwargs)
+    return getattr(cuflash, entry)(q, k, v, page_table=page_table, seqlens_k=seqlens_k, **kwargs)
 
 
 def forward_out(o=Q, l=STATS, m=STATS, o_dtype=F16, stats_dtype=F32):
@@ -503,6 +535,39 @@ GPU_ONLY = [
                   r"got shape \(2, 2, 32, 32\)"),
     backward_case("out", "of 1", lambda: backward(out=(make(Q),)), TypeError,
                   r"out must be a tuple \(dq, dk, dv\) of 3 arrays, got tuple of 1"),
+    varlen_case("out", "l shape", lambda: varlen(out=(make(VQ), make((4, 99), F32), make(VSTATS, F32)),
+                                                 entry="attention_varlen"), ValueError,
+                r"out's l must be a C-contiguous float32 array of shape \(4, 100\)"),
+]
+
+
+def kvcache_case(argument, label, call, error, match):
+    return Bad("attention_with_kvcache", argument, label, call, error, match)
+
+
+GPU_ONLY += [
+    kvcache_case("q", "17 queries", lambda: decode(q=(3, 8, 17, 128), entry="attention_with_kvcache"), ValueError,
+                 r"decoding takes 1 to 16 queries a head, got q shape \(3, 8, 17, 128\)"),
+    kvcache_case("k_cache", "page size 24", lambda: decode(k=(20, 2, 24, 128), v=(20, 2, 24, 128),
+                                                           entry="attention_with_kvcache"), ValueError,
+                 r"page size \(k.shape\[2\]\) must be one of .*got k shape \(20, 2, 24, 128\)"),
+    kvcache_case("v_cache", "pages unlike k_cache's", lambda: decode(v=(21, 2, 16, 128),
+                                                                     entry="attention_with_kvcache"), ValueError,
+                 r"k and v must agree in every dim but the last"),
+    kvcache_case("page_table", "int64", lambda: decode(page_table=make((3, 4), np.int64),
+                                                       entry="attention_with_kvcache"), TypeError,
+                 r"page_table must be int32, got shape \(3, 4\), dtype int64"),
+    kvcache_case("seqlens_k", "shape", lambda: decode(seqlens_k=(2,), entry="attention_with_kvcache"), ValueError,
+                 r"seqlens_k must have shape \(3,\), got shape \(2,\)"),
+    kvcache_case("num_splits", "0", lambda: decode(num_splits=0, entry="attention_with_kvcache"), ValueError,
+                 r"num_splits must be between 1 and 256, got 0"),
+    kvcache_case("scale", "0", lambda: decode(scale=0, entry="attention_with_kvcache"), ValueError,
+                 r"scale must be finite and positive, got 0"),
+    kvcache_case("window", "a float side", lambda: decode(window=(1.5, 0), entry="attention_with_kvcache"),
+                 TypeError, r"window left must be an integer, got 1.5"),
+    kvcache_case("out", "o shape", lambda: decode(out=(make((3, 8, 1, 64)), make((3, 8, 1), F32),
+                                                       make((3, 8, 1), F32)), entry="attention_with_kvcache"),
+                 ValueError, r"out's o must be a C-contiguous float16 array of shape \(3, 8, 1, 128\)"),
 ]
 
 
@@ -527,6 +592,10 @@ OUT_CALLS = {
     "attention_backward": (backward, ((Q, F16), (KV, F16), (KV, F16))),
     "attention against a cache": (decode, ((PAGED_Q, F16), (PAGED_Q[:-1], F32), (PAGED_Q[:-1], F32))),
     "attention on a packed batch": (varlen, ((VQ, F16), (VSTATS, F32), (VSTATS, F32))),
+    "attention_varlen": (functools.partial(varlen, entry="attention_varlen"),
+                         ((VQ, F16), (VSTATS, F32), (VSTATS, F32))),
+    "attention_with_kvcache": (functools.partial(decode, entry="attention_with_kvcache"),
+                               ((PAGED_Q, F16), (PAGED_Q[:-1], F32), (PAGED_Q[:-1], F32))),
 }
 
 
