@@ -8,165 +8,15 @@ and hands the plan their pointers and CuPy's current stream.
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _broadcast, _checks, _config, _decode, _plan, _views
+from . import _broadcast, _checks, _config, _decode, _plan
+from ._arrays import (AttentionGradients, AttentionOutput, as_cupy, extent, given_outputs, longest_sequence,
+                      new_outputs, one_device, output_specs, stream_on)
+from ._arrays import element_strides as _element_strides
 from ._checks import as_block_mask
 from .masks import window_option
-
-
-class AttentionOutput(NamedTuple):
-    """What :func:`attention` returns.
-
-    o: (..., Nq, dv), q's dtype.  l, m: (..., Nq), float32, where S = scale * q k^T with masked
-    entries excluded, ``m = max_j S``, ``l = sum_j exp(S - m)``; ``m + log(l)`` is the
-    log-sum-exp. A row with no allowed key has o = 0, l = 0, m = -inf.
-    """
-
-    o: Any
-    l: Any
-    m: Any
-
-
-# ---- inputs ------------------------------------------------------------------------------
-
-_DLPACK_CUDA_DEVICES = _checks._DLPACK_CUDA_DEVICES
-
-
-def as_cupy(x, name: str):
-    """Take a GPU array zero-copy as a cupy.ndarray, or raise TypeError naming ``name``."""
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return x
-    if isinstance(x, np.ndarray):
-        raise TypeError(
-            f"{name} is a NumPy array (host memory, shape {x.shape}, dtype {x.dtype}); cuflash "
-            f"needs a GPU array: pass cupy.asarray({name}) or a CUDA tensor"
-        )
-    if hasattr(x, "__dlpack__"):
-        if _views.is_cuda_tensor(x) and not x.requires_grad:
-            return _views.torch_view(x)
-        if hasattr(x, "__dlpack_device__"):
-            dev_type, _ = x.__dlpack_device__()
-            if int(dev_type) not in _DLPACK_CUDA_DEVICES:
-                raise TypeError(
-                    f"{name} ({type(x).__module__}.{type(x).__name__}) lives on DLPack device "
-                    f"type {int(dev_type)}, not on a CUDA GPU"
-                )
-        if getattr(x, "requires_grad", False):
-            raise TypeError(
-                f"{name} is a torch tensor that requires grad; use cuflash.torch.attention for "
-                f"autograd, or pass {name}.detach()"
-            )
-        return cupy.from_dlpack(x)
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    raise TypeError(
-        f"{name} must be a GPU array (cupy.ndarray or an object exporting __dlpack__ or "
-        f"__cuda_array_interface__), got {type(x).__module__}.{type(x).__name__}"
-    )
-
-
-def _element_strides(x) -> tuple:
-    itemsize = x.dtype.itemsize
-    return tuple(s // itemsize for s in x.strides)
-
-
-def _one_device(arrays, what):
-    devices = [x.data.device_id for x in arrays]
-    if len(set(devices)) != 1:
-        raise ValueError(f"{what} must be on one device, got devices {devices}")
-    return devices[0]
-
-
-def _stream_on(device_id):
-    """CuPy's current stream on ``device_id`` as a pointer, and whether that device is current."""
-    import cupy
-
-    current = cupy.cuda.runtime.getDevice() == device_id
-    if current:
-        return cupy.cuda.get_current_stream().ptr, True
-    with cupy.cuda.Device(device_id):
-        return cupy.cuda.get_current_stream().ptr, False
-
-
-# ---- outputs -------------------------------------------------------------------------------
-
-
-def output_specs(shapes_and_dtypes) -> tuple:
-    """((shape, dtype, byte offset, C-contiguous byte strides, bytes), ...) of arrays laid out
-    one after another in one allocation (each start aligned by _plan.align), and the
-    allocation's size in bytes."""
-    specs, end = [], 0
-    for shape, dtype in shapes_and_dtypes:
-        dtype, shape = np.dtype(dtype), tuple(shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        strides = tuple(s * dtype.itemsize for s in _plan.contiguous_strides(shape))
-        specs.append((shape, dtype, end, strides, nbytes))
-        end += _plan.align(nbytes)
-    return tuple(specs), end
-
-
-def new_outputs(specs, nbytes: int) -> list:
-    """The arrays of :func:`output_specs` on the current device: one allocation from CuPy's
-    pool (one allocation costs the host less than one each), which every array keeps alive."""
-    import cupy
-
-    if not nbytes:
-        return [cupy.empty(spec[0], spec[1]) for spec in specs]
-    memory = cupy.cuda.alloc(nbytes)
-    return [cupy.ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset, _, _ in specs]
-
-
-def extent(shape, strides, itemsize: int):
-    """(first, end) byte offsets an array of ``shape`` and element ``strides`` touches from its
-    pointer, or None for an empty array."""
-    if not math.prod(shape):
-        return None
-    first = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
-    last = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
-    return first, last + itemsize
-
-
-def given_outputs(out, names, specs, device_id: int, inputs) -> list:
-    """``out`` (the caller's arrays for ``names``) as CuPy arrays, each checked against its
-    spec (shape, dtype, C-contiguous, on ``device_id``) and against overlapping another output
-    or one of ``inputs``: ((name, pointer, (first, end) or None), ...)."""
-    import cupy
-
-    if not isinstance(out, (tuple, list)) or len(out) != len(names):
-        raise TypeError(f"out must be a tuple ({', '.join(names)}) of {len(names)} arrays, got "
-                        f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
-    arrays = [x if type(x) is cupy.ndarray else as_cupy(x, f"out's {name}") for x, name in zip(out, names)]
-    spans = []
-    for x, (shape, dtype, _, strides, nbytes), name in zip(arrays, specs, names):
-        if (x.shape != shape or x.dtype != dtype or (x.strides != strides and not x.flags.c_contiguous)
-                or x.data.device_id != device_id):
-            _refuse_output(x, name, shape, dtype, device_id)
-        if nbytes:
-            start = x.data.ptr
-            spans.append((start, start + nbytes))
-    for i, (start, end) in enumerate(spans):
-        for j in range(i + 1, len(spans)):
-            if start < spans[j][1] and spans[j][0] < end:
-                raise ValueError(f"out's {names[i]} overlaps out's {names[j]}: outputs must not share memory "
-                                 f"with the inputs or with each other")
-        for other, ptr, span in inputs:
-            if span is not None and start < ptr + span[1] and ptr + span[0] < end:
-                raise ValueError(f"out's {names[i]} overlaps {other}: outputs must not share memory with the "
-                                 f"inputs or with each other")
-    return arrays
-
-
-def _refuse_output(x, name, shape, dtype, device_id):
-    if x.data.device_id != device_id:
-        raise ValueError(f"out's {name} is on device {x.data.device_id}, the inputs on device {device_id}")
-    raise ValueError(f"out's {name} must be a C-contiguous {dtype} array of shape {shape}, got shape "
-                     f"{x.shape}, dtype {x.dtype}, strides {x.strides}")
 
 
 def _forward_outputs(plan, q, k, v, out):
@@ -190,15 +40,11 @@ def _forward_outputs(plan, q, k, v, out):
 # array as block_mask, a list as window) take the normalising path every time.
 _forward_calls: dict = {}
 _backward_calls: dict = {}
-# The shortest key range a call with few queries sends to the split-KV path. Measured on the
-# H200 (bench/NOTES.md, session 9; CUDA graphs, so GPU time alone), 1 query a head at batch 1-32:
-# the split-KV kernels beat the forward from 64 keys on (e.g. 4.2 against 7.5 us at 64 keys).
-DECODE_MIN_KEYS = 64
 
 
 def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    device = _one_device((q, k, v), "q, k and v")
+    device = one_device((q, k, v), "q, k and v")
     mask = as_block_mask(block_mask, block_size)
     plan = _plan.forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
                               _element_strides(v), dtype, device, causal, scale, mask, window_option(window),
@@ -314,7 +160,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             _plan.remember(_forward_calls, key, plan)
     if plan.decode:
         return _decode.run_routed(plan, q, k, v, causal, scale, window, out)
-    stream, current = _stream_on(plan.device_id)
+    stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         o, l, m = _forward_outputs(plan, q, k, v, out)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream)
@@ -332,14 +178,6 @@ def varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q):
     meta = [None if c is None else (c.shape, _checks.dtype_name(c.dtype), c.data.device_id) for c in cu]
     num_seqs = _checks.check_cu_seqlens(*meta, q.data.device_id)
     return cu[0], cu[1], num_seqs
-
-
-def longest_sequence(cu, total: int) -> int:
-    """The longest sequence that boundaries ``cu`` (a CuPy or NumPy array) delimit in ``total``
-    packed rows, by the kernels' clamping rule (kernels/slice.cuh); for a CuPy array one
-    device-to-host copy."""
-    bounded = cu.clip(0, total)
-    return max(0, int((bounded[1:] - bounded[:-1]).max())) if cu.size > 1 else 0
 
 
 def _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
@@ -363,11 +201,11 @@ def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k
     _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
     max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    device = _one_device((q, k, v), "q, k and v")
+    device = one_device((q, k, v), "q, k and v")
     plan = _plan.varlen_forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
                                      _element_strides(v), dtype, device, causal, scale, window_option(window),
                                      num_seqs, max_q, (q.data.ptr, k.data.ptr, v.data.ptr))
-    stream, current = _stream_on(plan.device_id)
+    stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         o, l, m = _forward_outputs(plan, q, k, v, out)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream, cu_q.data.ptr,
@@ -375,19 +213,11 @@ def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k
     return AttentionOutput(o, l, m)
 
 
-class AttentionGradients(NamedTuple):
-    """What :func:`attention_backward` returns: dq, dk, dv shaped and typed like q, k, v."""
-
-    dq: Any
-    dk: Any
-    dv: Any
-
-
 def _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window):
     do, q, k, v, o, l, m = arrays
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
     _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-    device = _one_device(arrays, "all arguments")
+    device = one_device(arrays, "all arguments")
     mask = as_block_mask(block_mask, block_size)
     tensors = (do, q, k, v, o)
     stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
@@ -477,7 +307,7 @@ def _run_backward(plan, arrays, out, *cu_seqlens):
     import cupy
 
     do, q, k, v, o, l, m = arrays
-    stream, current = _stream_on(plan.device_id)
+    stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         grads, given = _backward_outputs(plan, arrays, out)
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
@@ -502,7 +332,7 @@ def _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q,
     max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
     dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
     _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-    device = _one_device(arrays, "all arguments")
+    device = one_device(arrays, "all arguments")
     tensors = (do, q, k, v, o)
     stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
     plan = _plan.varlen_backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),

@@ -326,6 +326,12 @@ def variants_for(arch: str):
 
 # ---- decoding -----------------------------------------------------------------------------
 
+# The shortest key range a call with few queries a head (1 to MAX_DECODE_QUERIES) is routed to
+# the split-KV kernels at: measured with CUDA graphs (GPU time alone), one query a head at
+# batch 1-32, they beat the forward from 64 keys on (4.2 against 7.5 us at 64 keys;
+# bench/NOTES.md, Decoding). Below it the keys fit one tile of the forward: nothing to split.
+DECODE_MIN_KEYS = 64
+
 # Splits give every SM at least one CTA (this fraction of the SMs, so 16 splits of 8 CTAs count
 # on 132 SMs) and no more: measured on the H200 (bench/NOTES.md, session 9), once each SM holds
 # a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16

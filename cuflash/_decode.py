@@ -20,7 +20,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _api, _checks, _config, _constants, _params, _plan, _tiles, _variants
+from . import _arrays, _checks, _config, _constants, _params, _plan, _tiles, _variants
+from ._arrays import AttentionOutput
 from .masks import window_option
 
 # The kernel counts keys (and capacity + Nq) in 32 bits, and a paged CTA computes key positions
@@ -62,8 +63,8 @@ class DecodePlan(NamedTuple):
     def workspace_offsets(self) -> Tuple[int, int]:
         """Byte offsets of ws_l and ws_m in the splits' workspace (ws_o first, at 0)."""
         split_rows = self.num_splits * self.total_rows
-        ws_l = _plan.align(4 * split_rows * self.dv)
-        return ws_l, ws_l + _plan.align(4 * split_rows)
+        ws_l = _arrays.align(4 * split_rows * self.dv)
+        return ws_l, ws_l + _arrays.align(4 * split_rows)
 
     @property
     def workspace_bytes(self) -> int:
@@ -71,14 +72,14 @@ class DecodePlan(NamedTuple):
         decide it, so the JAX adapter sizes its workspace output with it at trace time."""
         if self.combine is None:
             return 0
-        return self.workspace_offsets[1] + _plan.align(4 * self.num_splits * self.total_rows)
+        return self.workspace_offsets[1] + _arrays.align(4 * self.num_splits * self.total_rows)
 
 
 # ---- checks ---------------------------------------------------------------------------------
 
 
 def _element_strides(x, name) -> tuple:
-    strides = tuple(st // x.dtype.itemsize for st in x.strides)
+    strides = _arrays.element_strides(x)
     _checks.check_last_dim_contiguous(name, x.shape, strides)
     return strides
 
@@ -155,12 +156,12 @@ def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:
 
 def routes_short_queries(q, k, v, block_mask=None) -> bool:
     """Whether a call without decoding arguments takes the split-KV kernels all the same: at
-    least one query row, no block mask, at least ``_api.DECODE_MIN_KEYS`` keys, and a layout
+    least one query row, no block mask, at least ``_config.DECODE_MIN_KEYS`` keys, and a layout
     :func:`supports`. A few queries a head against many keys would occupy only a handful of
     the forward's 128-row query tiles while the split-KV kernels stream K and V on every SM;
     below DECODE_MIN_KEYS the keys fit one tile of the forward: nothing to split. Every
     front end that routes (the CuPy API, the JAX adapter) asks here."""
-    return (block_mask is None and math.prod(q.shape[:-1]) > 0 and k.shape[-2] >= _api.DECODE_MIN_KEYS
+    return (block_mask is None and math.prod(q.shape[:-1]) > 0 and k.shape[-2] >= _config.DECODE_MIN_KEYS
             and supports(q, k, v))
 
 
@@ -286,7 +287,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
 
 
 def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
-                     seqlens_k=None, num_splits=None, out=None) -> _api.AttentionOutput:
+                     seqlens_k=None, num_splits=None, out=None) -> AttentionOutput:
     """Attention of a few queries a head against a KV cache, split over the keys.
 
     Args:
@@ -326,7 +327,7 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
     """
     import cupy
 
-    q, k, v = _api.as_cupy(q, "q"), _api.as_cupy(k, "k"), _api.as_cupy(v, "v")
+    q, k, v = _arrays.as_cupy(q, "q"), _arrays.as_cupy(k, "k"), _arrays.as_cupy(v, "v")
     with q.device:
         device_id = q.device.id
         arrays = (q, k, v, page_table, seqlens_k)
@@ -356,10 +357,10 @@ def _checked_out(launch, out, *arrays):
     given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), arrays) if x is not None]
     extents = launch.input_extents
     if extents is None:
-        extents = launch.input_extents = tuple(_api.extent(x.shape, _element_strides(x, name), x.dtype.itemsize)
+        extents = launch.input_extents = tuple(_arrays.extent(x.shape, _element_strides(x, name), x.dtype.itemsize)
                                                for name, x in given)
     inputs = [(name, x.data.ptr, e) for (name, x), e in zip(given, extents)]
-    return _api.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
+    return _arrays.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
                               arrays[0].data.device_id, inputs)
 
 
@@ -395,7 +396,7 @@ class DecodeLaunch:
             self.combine = _plan.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
         self.ctx = _plan.device_context(device_id)
         self.lock = threading.Lock()
-        self._outputs = {}  # q's dtype -> cuflash._api.output_specs of o, l, m and the workspace
+        self._outputs = {}  # q's dtype -> cuflash._arrays.output_specs of o, l, m and the workspace
         self.input_extents = None  # of the inputs a call with out= checks it against (_checked_out)
 
     def output_specs(self, dtype):
@@ -403,7 +404,7 @@ class DecodeLaunch:
         specs = self._outputs.get(dtype)
         if specs is None:
             stats = self.plan.out_shape[:-1]
-            specs = self._outputs[dtype] = _api.output_specs((
+            specs = self._outputs[dtype] = _arrays.output_specs((
                 (self.plan.out_shape, dtype), (stats, np.float32), (stats, np.float32),
                 ((self.workspace_bytes,), np.uint8)))
         return specs
@@ -436,7 +437,7 @@ def bound_launch(plan: DecodePlan, device_id: int) -> DecodeLaunch:
 
 
 def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,
-             out=None) -> _api.AttentionOutput:
+             out=None) -> AttentionOutput:
     """Launch a :func:`plan_decode` plan on CuPy arrays of the shapes and strides it was made
     for, on CuPy's current stream. ``workspace``: a device buffer (cupy.cuda.MemoryPointer or
     a float32 array) of at least ``bound_launch(plan, device).workspace_bytes`` bytes, or None
@@ -456,9 +457,9 @@ def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace,
     if out is None:
         specs, nbytes = launch.output_specs(q.dtype)
         if workspace is None:  # one allocation holds them all
-            o, l, m, workspace = _api.new_outputs(specs, nbytes)
+            o, l, m, workspace = _arrays.new_outputs(specs, nbytes)
         else:  # o, l and m alone: the layout's first three, up to where the workspace starts
-            o, l, m = _api.new_outputs(specs[:3], specs[3][2])
+            o, l, m = _arrays.new_outputs(specs[:3], specs[3][2])
     else:
         o, l, m = out
     ws = 0
@@ -473,10 +474,10 @@ def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace,
     launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
                0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
                ws, stream)
-    return _api.AttentionOutput(o, l, m)
+    return AttentionOutput(o, l, m)
 
 
-def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> _api.AttentionOutput:
+def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> AttentionOutput:
     """A call of :func:`cuflash.attention` without decoding arguments that its forward plan
     routes here (``forward_plan.decode``, see :func:`routes_short_queries`): the bound launch is
     kept on that plan, so a repeated call looks nothing up again."""
@@ -492,6 +493,6 @@ def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> 
         launch = forward_plan.decode_launch = bound_launch(plan, device_id)
     if out is not None:
         out = _checked_out(launch, out, q, k, v)
-    stream, current = _api._stream_on(forward_plan.device_id)
+    stream, current = _arrays.stream_on(forward_plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):
         return _run_launch(launch, q, k, v, None, None, None, out, stream)

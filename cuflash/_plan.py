@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 
 from . import _checks, _config, _constants, _loader, _params, _tma, _variants
+from ._arrays import align
 from ._broadcast import broadcast_layout
 from ._constants import MAX_LEAD_DIMS
 
@@ -482,9 +483,6 @@ class BackwardPlan:
             kernel.launch(drv, stream)
 
 
-_WORKSPACE_ALIGN = 256
-
-
 def _check_forward_outputs(do_shape, o_shape, out_shape):
     for name, shape in (("do", do_shape), ("o", o_shape)):
         if tuple(shape) != out_shape:
@@ -678,20 +676,6 @@ def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad, h
         grads.append(GradientOut(kind, end, acc_shape, group, tuple(shape)))
         end += align(4 * math.prod(acc_shape))
     return tuple(grads), delta_offset, end
-
-
-def contiguous_strides(shape) -> tuple:
-    """Row-major element strides of ``shape`` (the layout XLA gives a custom call's operands)."""
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def align(n: int) -> int:
-    """n bytes rounded up to _WORKSPACE_ALIGN (where a workspace's parts start)."""
-    return -(-n // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
 
 
 def _is_c_contiguous(shape, strides) -> bool:

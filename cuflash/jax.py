@@ -36,7 +36,8 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _api, _broadcast, _checks, _decode, _plan
+from . import _arrays, _broadcast, _checks, _decode, _plan
+from .masks import window_option
 
 __all__ = ["attention"]
 
@@ -75,8 +76,8 @@ def _forward_plan(q, k, v, device, options, lengths=None):
     plan = _plans.get(key)
     if plan is None:
         causal, scale, mask, window = options
-        operands = (tuple(q.shape), _plan.contiguous_strides(q.shape), tuple(k.shape), _plan.contiguous_strides(k.shape),
-                    tuple(v.shape), _plan.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
+        operands = (tuple(q.shape), _arrays.contiguous_strides(q.shape), tuple(k.shape), _arrays.contiguous_strides(k.shape),
+                    tuple(v.shape), _arrays.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
         ptrs = (_pointer(q), _pointer(k), _pointer(v))
         if lengths is None:
             plan = _plan.forward_plan(*operands, mask, window, ptrs)
@@ -92,8 +93,8 @@ def _backward_plan(args, device, options, deterministic, lengths=None):
     if plan is None:
         causal, scale, mask, window = options
         main = args[:5]
-        stats = tuple((tuple(x.shape), _plan.contiguous_strides(x.shape), "float32") for x in args[5:7])
-        operands = (tuple(tuple(x.shape) for x in main), tuple(_plan.contiguous_strides(x.shape) for x in main),
+        stats = tuple((tuple(x.shape), _arrays.contiguous_strides(x.shape), "float32") for x in args[5:7])
+        operands = (tuple(tuple(x.shape) for x in main), tuple(_arrays.contiguous_strides(x.shape) for x in main),
                     _checks.dtype_name(args[1].dtype), stats, device, causal, scale)
         ptrs = tuple(_pointer(x) for x in main)
         if lengths is None:
@@ -188,7 +189,7 @@ class _RowMajorBuffer:
     def __init__(self, shape, dtype, ptr: int = 0, device_id: int = 0):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
-        self.strides = tuple(s * self.dtype.itemsize for s in _plan.contiguous_strides(self.shape))
+        self.strides = tuple(s * self.dtype.itemsize for s in _arrays.contiguous_strides(self.shape))
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
         self.data = types.SimpleNamespace(ptr=ptr)
@@ -285,7 +286,7 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
     for name in ("q", "k", "v"):
         x = arrays[name]
         if x.data.ptr & 15:
-            raise _checks.vector_alignment_error(name, x.shape, _plan.contiguous_strides(x.shape), x.data.ptr,
+            raise _checks.vector_alignment_error(name, x.shape, _arrays.contiguous_strides(x.shape), x.data.ptr,
                                                  _checks.dtype_name(x.dtype))
     pointers = [0 if arrays.get(name) is None else arrays[name].data.ptr for name in _DECODE_INPUTS]
     _decode.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
@@ -432,7 +433,7 @@ def _longest(name, value, cu, total):
     except jax.errors.TracerArrayConversionError:
         raise ValueError(f"{name} must be given (a host int) when cu_seqlens are traced, e.g. under jax.jit: "
                          f"the lengths live on the device") from None
-    return _api.longest_sequence(host, total)
+    return _arrays.longest_sequence(host, total)
 
 
 def _check_int_arrays(**arrays):
@@ -481,7 +482,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             time from the shapes and JAX's default GPU. XLA passes operands row-major: keep a
             cache as (num_pages, Hk, page_size, d), since ``jnp.swapaxes`` of vLLM's layout
             is a transposed copy of the whole cache. Under jax.vmap such a call runs once an
-            example. Calls with 1-16 queries a head against at least ``_api.DECODE_MIN_KEYS``
+            example. Calls with 1-16 queries a head against at least ``_config.DECODE_MIN_KEYS``
             keys take the same kernels on their own, differentiably.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length
             batch, as in :func:`cuflash.attention`: q (Hq, total_q, d), k / v (Hk, total_k,
@@ -498,8 +499,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
         ...                                    seqlens_k=context_lens)
     """
     scale = None if scale is None else float(scale)
-    mask = _api.as_block_mask(block_mask, block_size)
-    window = _api.window_option(window)
+    mask = _checks.as_block_mask(block_mask, block_size)
+    window = window_option(window)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
         return _varlen_attention(q, k, v, bool(causal), scale, window, bool(deterministic), cu_seqlens_q,

@@ -20,8 +20,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _broadcast, _checks, _config, _decode, _plan, _views
-from ._api import AttentionOutput
+from . import _arrays, _broadcast, _checks, _config, _decode, _plan, _views
+from ._arrays import AttentionOutput
 from ._checks import NO_WINDOW, as_block_mask
 from .masks import BlockMask, window_option
 
@@ -134,7 +134,7 @@ def _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k):
 
 
 def _longest_sequence(cu, total: int) -> int:
-    """As cuflash._api.longest_sequence (the kernels' clamping rule), on a torch tensor: one
+    """As cuflash._arrays.longest_sequence (the kernels' clamping rule), on a torch tensor: one
     device-to-host copy."""
     if cu.numel() < 2:
         return 0
@@ -202,7 +202,7 @@ def _decode_run(launch, q, k, v, page_table, seqlens_k):
     plan, device = launch.plan, q.device
     o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
     rows = math.prod(plan.out_shape[:-1])
-    workspace_at = _plan.align(8 * rows)  # bytes: l and m, then the workspace
+    workspace_at = _arrays.align(8 * rows)  # bytes: l and m, then the workspace
     floats = (workspace_at + launch.workspace_bytes) // 4 if launch.workspace_bytes else 2 * rows
     stats = torch.empty(floats, dtype=torch.float32, device=device)
     l = stats.data_ptr()
@@ -491,7 +491,7 @@ def attention(
             per-sequence lengths) on the split-KV kernels, forward only, as in
             :func:`cuflash.attention`; capturable in a CUDA graph with fixed buffers. Without
             them, a call that autograd does not record and that has 1-16 queries a head against
-            at least ``cuflash._api.DECODE_MIN_KEYS`` keys (16-bit, head dims up to 128, no
+            at least ``cuflash._config.DECODE_MIN_KEYS`` keys (16-bit, head dims up to 128, no
             block mask) runs on the same kernels, as :func:`cuflash.attention` routes it.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch,
             as in :func:`cuflash.attention` (and flash_attn_varlen_func): q (Hq, total_q, d),

@@ -313,7 +313,7 @@ def test_run_plan_writes_the_given_buffers(rng):
     needs), and gives what decode_attention gives."""
     import cupy
 
-    from cuflash import _api, _decode
+    from cuflash import _arrays, _decode
 
     dtype = "float16"
     lengths = [2000, 17]
@@ -339,7 +339,7 @@ def test_run_plan_writes_the_given_buffers(rng):
         cupy.cuda.set_allocator(poisoning)
     assert allocations == []
     assert all(a is b for a, b in zip(got, out))
-    check(_api.AttentionOutput(*got), q, k, v, lengths, dtype)
+    check(_arrays.AttentionOutput(*got), q, k, v, lengths, dtype)
     with pytest.raises(ValueError, match="workspace must be a contiguous array of at least"):
         _decode.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens, workspace=workspace[:-1], out=out)
 
@@ -348,12 +348,12 @@ def test_run_plan_writes_the_given_buffers(rng):
 @pytest.mark.parametrize("nk,expected", ((512, "decode"), (32, "fwd")))
 def test_short_queries_take_the_split_kv_path_from_decode_min_keys(nk, expected):
     """cuflash.attention routes 1-16 queries a head to the split-KV kernels from
-    _api.DECODE_MIN_KEYS keys on, and keeps shorter key ranges on the forward."""
+    _config.DECODE_MIN_KEYS keys on, and keeps shorter key ranges on the forward."""
     import cuflash
-    from cuflash import _api
+    from cuflash import _config
     from gpu_util import launched_variants
 
-    assert (nk >= _api.DECODE_MIN_KEYS) == (expected == "decode")
+    assert (nk >= _config.DECODE_MIN_KEYS) == (expected == "decode")
     rng = np.random.default_rng(nk)
     q = to_device(random_array(rng, (2, 8, 1, 128), "bfloat16"))
     k, v = (to_device(random_array(rng, (2, 2, nk, 128), "bfloat16")) for _ in range(2))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cpu_fakes import HostArrayAsDevice
-from cuflash import _api, _decode, masks
+from cuflash import _config, _decode, masks
 from cuflash import reference as ref
 from gpu_util import np_dtype, random_array
 from test_decode_gpu import PagedCache, allowed_keys
@@ -153,8 +153,8 @@ def test_differentiating_a_decoding_call_raises():
 # (q shape, k shape, dtype, block mask): the CuPy front end's _decode.routes_short_queries
 # decides, and the adapter takes the same path.
 ROUTING = {
-    "decode_at_threshold": ((2, 8, 1, 128), (2, 2, _api.DECODE_MIN_KEYS, 128), BF16, None),
-    "fwd_below_threshold": ((2, 8, 1, 128), (2, 2, _api.DECODE_MIN_KEYS - 1, 128), BF16, None),
+    "decode_at_threshold": ((2, 8, 1, 128), (2, 2, _config.DECODE_MIN_KEYS, 128), BF16, None),
+    "fwd_below_threshold": ((2, 8, 1, 128), (2, 2, _config.DECODE_MIN_KEYS - 1, 128), BF16, None),
     "decode_16_queries_mqa": ((3, 8, 16, 64), (3, 1, 1000, 64), np.float16, None),
     "fwd_17_queries": ((2, 8, 17, 128), (2, 2, 4096, 128), BF16, None),
     "fwd_float32": ((2, 8, 1, 128), (2, 2, 4096, 128), np.float32, None),
@@ -333,7 +333,7 @@ def test_vmap_of_a_decoding_call_runs_once_an_example(kernels, rng):
 def test_routed_call_under_vmap(kernels, rng):
     """vmapped over every operand: one split-KV launch of the batched shapes with the traced
     split count; over q alone (k and v broadcast): the forward, which broadcasts."""
-    nk = _api.DECODE_MIN_KEYS + 44
+    nk = _config.DECODE_MIN_KEYS + 44
     q = random_array(rng, (3, 2, 8, 1, 64), "bfloat16")
     k, v = (random_array(rng, (3, 2, 2, nk, 64), "bfloat16") for _ in range(2))
     attend = lambda q, k, v: cj.attention(q, k, v, causal=True)  # noqa: E731

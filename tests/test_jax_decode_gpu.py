@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from cuflash import _api, _decode
+from cuflash import _config, _decode
 from cuflash import reference as ref
 from gpu_util import check_forward, launched_variants, max_err, random_array
 from test_decode_gpu import HEADS, POISON, PagedCache, allowed_keys
@@ -211,7 +211,7 @@ def test_inputs_are_not_written(rng):
 def test_short_queries_are_routed_and_differentiable(nk, expected, rng):
     import cuflash.jax as cj
 
-    assert (nk >= _api.DECODE_MIN_KEYS) == (expected == "decode")
+    assert (nk >= _config.DECODE_MIN_KEYS) == (expected == "decode")
     dtype = "bfloat16"
     q, k, v = (random_array(rng, s, dtype) for s in ((2, 8, 3, 128), (2, 2, nk, 128), (2, 2, nk, 128)))
     w = random_array(rng, q.shape, dtype)

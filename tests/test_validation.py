@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu
-from cuflash import _api, _broadcast, _checks, _constants, _params, _plan
+from cuflash import _arrays, _broadcast, _checks, _constants, _params, _plan
 
 
 def test_numpy_arrays_are_refused_with_their_shape():
     q = np.ones((2, 16, 64), np.float16)
     with pytest.raises(TypeError, match=r"q is a NumPy array.*\(2, 16, 64\)"):
-        _api.as_cupy(q, "q")
+        _arrays.as_cupy(q, "q")
 
 
 def test_non_arrays_are_refused():
     with pytest.raises(TypeError, match="k must be a GPU array.*list"):
-        _api.as_cupy([1.0, 2.0], "k")
+        _arrays.as_cupy([1.0, 2.0], "k")
 
 
 @pytest.mark.parametrize(
