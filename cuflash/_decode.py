@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _arrays, _checks, _config, _constants, _params, _plan, _tiles, _variants
+from . import _arrays, _checks, _config, _constants, _driver, _launch, _params, _plan, _tiles, _variants
 from ._arrays import AttentionOutput
 from .masks import window_option
 
@@ -341,7 +341,7 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
             plan = None  # plan_decode raises the alignment error
         if plan is None:
             plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id))
+                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_driver.sm_count(device_id))
             if key is not None:
                 _plan.remember(_plans, key, plan)
         launch = bound_launch(plan, device_id)
@@ -370,7 +370,7 @@ _plans: dict = {}
 
 
 class DecodeLaunch:
-    """A plan's launches with their parameter blocks bound once (cuflash/_plan.py's Kernel): a
+    """A plan's launches with their parameter blocks bound once (cuflash/_driver.py's Kernel): a
     call writes its pointers into the blocks and launches, packing nothing.
 
     ``run`` takes raw pointers: q, k, v, o, l, m, the page table and lengths (0 = none), and
@@ -380,9 +380,9 @@ class DecodeLaunch:
     def __init__(self, plan: DecodePlan, device_id: int):
         self.plan = plan
         zero = {name: 0 for name, kind in _params.DECODE_PARAM_FIELDS if kind == "Q"}
-        block = _plan._words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
+        block = _driver.words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
             {**plan.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
-        self.kernel = _plan.Kernel(plan.variant, device_id, _plan.slice_grid(plan.grid_x, plan.num_bh), [block],
+        self.kernel = _driver.Kernel(plan.variant, device_id, _launch.slice_grid(plan.grid_x, plan.num_bh), [block],
                                    plan.d, plan.dv)
         self.ws_l_offset, self.ws_m_offset = plan.workspace_offsets  # ws_o, then ws_l, then ws_m
         self.workspace_bytes = plan.workspace_bytes
@@ -391,10 +391,10 @@ class DecodeLaunch:
             combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=plan.total_rows, dv=plan.dv,
                            num_splits=plan.num_splits, scale=plan.fields["scale"],
                            scale_log2=plan.fields["scale_log2"])
-            block = _plan._words(struct.pack(_params.fields_format(_params.COMBINE_PARAM_FIELDS), *(
+            block = _driver.words(struct.pack(_params.fields_format(_params.COMBINE_PARAM_FIELDS), *(
                 combine[name] for name, _ in _params.COMBINE_PARAM_FIELDS)))
-            self.combine = _plan.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
-        self.ctx = _plan.device_context(device_id)
+            self.combine = _driver.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
+        self.ctx = _driver.device_context(device_id)
         self.lock = threading.Lock()
         self._outputs = {}  # q's dtype -> cuflash._arrays.output_specs of o, l, m and the workspace
         self.input_extents = None  # of the inputs a call with out= checks it against (_checked_out)
@@ -415,7 +415,7 @@ class DecodeLaunch:
         ws = (0, 0, 0)
         if self.combine is not None:
             ws = (workspace, workspace + self.ws_l_offset, workspace + self.ws_m_offset)
-        with self.lock, _plan.Context(self.ctx) as drv:
+        with self.lock, _driver.Context(self.ctx) as drv:
             self.kernel.params[0][0:11] = (q, k, v, o, l, m, *ws, page_table, seqlens)
             self.kernel.launch(drv, stream)
             if self.combine is not None:
@@ -489,7 +489,7 @@ def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> 
     if launch is None or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning raises alignment errors
         device_id = q.data.device_id
         with q.device:
-            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_plan.sm_count(device_id))
+            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_driver.sm_count(device_id))
         launch = forward_plan.decode_launch = bound_launch(plan, device_id)
     if out is not None:
         out = _checked_out(launch, out, q, k, v)

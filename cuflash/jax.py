@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _arrays, _broadcast, _checks, _decode, _plan
+from . import _arrays, _broadcast, _checks, _decode, _driver, _plan
 from .masks import window_option
 
 __all__ = ["attention"]
@@ -216,7 +216,7 @@ def _gpu_size(device):
     """plan_decode's sm_count for ``device`` (None: its default)."""
     if device is None:
         return {}
-    return dict(sm_count=_plan.sm_count(device))
+    return dict(sm_count=_driver.sm_count(device))
 
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")

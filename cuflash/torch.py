@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _arrays, _broadcast, _checks, _config, _decode, _plan, _views
+from . import _arrays, _broadcast, _checks, _config, _decode, _driver, _plan, _views
 from ._arrays import AttentionOutput
 from ._checks import NO_WINDOW, as_block_mask
 from .masks import BlockMask, window_option
@@ -192,7 +192,7 @@ def _decode_launch(tensors, causal, scale, window, num_splits):
     with cupy.cuda.Device(device.index):
         views = [None if t is None else _views.torch_view(t, same_stream=True) for t in tensors]
         plan = _decode.plan_decode(*views[:3], causal=causal, scale=scale, window=window, page_table=views[3],
-                                   seqlens_k=views[4], num_splits=num_splits, sm_count=_plan.sm_count(device.index))
+                                   seqlens_k=views[4], num_splits=num_splits, sm_count=_driver.sm_count(device.index))
         return _decode.bound_launch(plan, device.index)
 
 

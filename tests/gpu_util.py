@@ -104,21 +104,21 @@ def compare_gradients(got, exact, plain, dtype, rows=(None, None, None)):
 @contextlib.contextmanager
 def launched_variants():
     """Records the variant of every kernel launched inside the block, in launch order (every
-    launch goes through a bound cuflash._plan.Kernel)."""
-    from cuflash import _plan
+    launch goes through a bound cuflash._driver.Kernel)."""
+    from cuflash import _driver
 
     launched = []
-    launch = _plan.Kernel.launch
+    launch = _driver.Kernel.launch
 
     def recording(self, drv, stream):
         launched.append(self.variant)
         return launch(self, drv, stream)
 
-    _plan.Kernel.launch = recording
+    _driver.Kernel.launch = recording
     try:
         yield launched
     finally:
-        _plan.Kernel.launch = launch
+        _driver.Kernel.launch = launch
 
 
 @contextlib.contextmanager

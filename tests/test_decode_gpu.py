@@ -131,7 +131,7 @@ def test_dense_without_lengths_reads_the_whole_cache(dtype, num_splits, rng):
 def test_short_cache_tiles(dtype, paged, rng):
     """128 sequences x 8 k/v heads (1024 CTAs, at least four an SM up to 284 SMs) against a
     cache of 1024 keys take the short-cache tiles (_tiles.DECODE_TILES_SHORT) at head dim 64."""
-    from cuflash import _config, _decode, _plan, _tiles
+    from cuflash import _config, _decode, _driver, _tiles
 
     lengths = [int(n) for n in rng.integers(0, 1025, size=128)]
     lengths[:4] = [0, 1, 17, 1024]
@@ -142,7 +142,7 @@ def test_short_cache_tiles(dtype, paged, rng):
     else:
         k_dev, v_dev = poisoned_past(k, lengths), poisoned_past(v, lengths)
         kwargs = dict(seqlens_k=to_device(np.asarray(lengths, np.int32)))
-    plan = _decode.plan_decode(to_device(q), k_dev, v_dev, **kwargs, sm_count=_plan.sm_count(0))
+    plan = _decode.plan_decode(to_device(q), k_dev, v_dev, **kwargs, sm_count=_driver.sm_count(0))
     assert (plan.variant.block_cols, plan.variant.warps, plan.variant.stages) == _tiles.DECODE_TILES_SHORT[(64, 1)]
     assert plan.variant in _config.all_decode_variants()
     check(_decode.decode_attention(to_device(q), k_dev, v_dev, **kwargs), q, k, v, lengths, dtype)

@@ -35,7 +35,7 @@ def poisoned_outputs(monkeypatch):
     the launch's stream (XLA's)."""
     import cupy
 
-    from cuflash import _checks, _plan
+    from cuflash import _checks, _driver
 
     run = _decode.DecodeLaunch.run
 
@@ -43,7 +43,7 @@ def poisoned_outputs(monkeypatch):
         rows = math.prod(self.plan.out_shape[:-1])
         sizes = ((o, rows * self.plan.dv * _checks.itemsize(self.plan.variant.dtype)), (l, 4 * rows), (m, 4 * rows),
                  (workspace, self.workspace_bytes))
-        with _plan.Context(self.ctx):
+        with _driver.Context(self.ctx):
             for ptr, nbytes in sizes:
                 if ptr and nbytes:
                     cupy.cuda.runtime.memsetAsync(ptr, 0xFF, nbytes, stream)

@@ -49,7 +49,7 @@ LAYERS = (
     ("kernel variants, broadcasting, masks, the reference", {"_variants", "_broadcast", "masks", "reference"}),
     ("checks, choices, compilation, arrays", {"_checks", "_config", "_loader", "_arrays", "_merge"}),
     ("driver and plan cache", {"_driver", "_cache"}),
-    ("plans", {"_plan", "_plans", "_decode"}),
+    ("plans", {"_launch", "_forward", "_backward", "_decode", "_plan"}),
     ("spine", {"_spine"}),
     ("front ends", {"__init__", "_api", "torch", "jax"}),
     ("integrations and tools", {"transformers", "distributed", "bench", "compile_check"}),
@@ -140,3 +140,13 @@ def test_no_import_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_library_module_over_600_lines():
+    """Every module of the library (the benchmark, cuflash/bench, is a tool beside it)."""
+    library = [p for p in sorted(PACKAGE.rglob("*.py")) if node_of(p) != "bench"]
+    long = {str(p.relative_to(PACKAGE)): n for p in library if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -6,11 +6,11 @@ import struct
 
 import pytest
 
-from cuflash import _config, _loader, _params, _plan, _tiles, _tma, _variants
+from cuflash import _config, _driver, _launch, _loader, _params, _plan, _tiles, _tma, _variants
 
 
 class _FakeDriver:
-    """libcuda's calls as _plan makes them, recorded."""
+    """libcuda's calls as the plans make them (cuflash/_driver.py), recorded."""
 
     def __init__(self):
         self.launches = []
@@ -65,11 +65,11 @@ def fake_gpu(monkeypatch):
         built.append(variant.key)
         return _RawKernel(variant)
 
-    monkeypatch.setattr(_plan, "_driver", lambda: driver)
-    monkeypatch.setattr(_plan, "device_context", lambda device_id: 77)
-    monkeypatch.setattr(_plan, "compute_capability", lambda device_id: "90")
-    monkeypatch.setattr(_plan, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(_plan, "_device", lambda device_id: _NullContext())
+    monkeypatch.setattr(_driver, "driver", lambda: driver)
+    monkeypatch.setattr(_driver, "device_context", lambda device_id: 77)
+    monkeypatch.setattr(_driver, "compute_capability", lambda device_id: "90")
+    monkeypatch.setattr(_driver, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(_driver, "device", lambda device_id: _NullContext())
     monkeypatch.setattr(_loader, "get_kernel", get_kernel)
     monkeypatch.setattr(_tma, "encode", _fake_encode)
     _plan.clear()
@@ -409,9 +409,9 @@ def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
     assert not dense_rule.persistent
     variant = dense_rule  # its tiles: 128 queries x 128 keys
     local = masks.local(64, 2)  # rows visit 3-5 key tiles
-    assert 3 <= _plan.sparse_row_tiles(local, n, n, variant, False, None) <= 5
-    assert _plan.sparse_row_tiles(masks.dense(64), n, n, variant, False, None) == 64
-    assert _plan.sparse_row_tiles(masks.dense(64), n, n, variant, True, None) == 32.5  # causal halves it
+    assert 3 <= _launch.sparse_row_tiles(local, n, n, variant, False, None) <= 5
+    assert _launch.sparse_row_tiles(masks.dense(64), n, n, variant, False, None) == 64
+    assert _launch.sparse_row_tiles(masks.dense(64), n, n, variant, True, None) == 32.5  # causal halves it
     limit = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES[64]
     for row_tiles, persistent in ((limit, True), (limit + 0.5, False)):
         for d in (64, 128):

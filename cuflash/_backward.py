@@ -1,0 +1,377 @@
+"""The backward's plan: the preprocess, the key passes, the dQ pass and the gradient reduces of
+one backward signature, with the workspace layout (statistics, accumulators) bound once, and
+``run`` on raw pointers."""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+import threading
+from typing import NamedTuple
+
+from . import _checks, _config, _constants, _driver, _launch, _params, _tma, _variants
+from ._arrays import align
+from ._broadcast import broadcast_layout
+
+class GradientOut(NamedTuple):
+    """How one gradient (dq, dk or dv) is finished.
+
+    kind: 'direct' (the kernels write it in place: pointer of the output), 'reduce' (a float32
+    accumulator in the workspace, summed over ``group`` slices and converted by grad_reduce.cu),
+    'generic' (the accumulator, summed back over broadcast dims by the caller's framework with
+    ``_broadcast.reduce_to``).
+    """
+
+    kind: str
+    offset: int  # of the accumulator in the workspace (not 'direct')
+    acc_shape: tuple
+    group: int
+    shape: tuple  # the gradient's (its input's) shape
+
+
+class BackwardPlan:
+    """One backward signature's launches: ``run(do, q, k, v, o, l, m, dq, dk, dv, workspace,
+    stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes)."""
+
+    def __init__(self, device_id, dtype, operands, grads, out_lead, workspace_bytes=0, delta_offset=0,
+                 zero=None, kernels=(), fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False, maps=None,
+                 fallback=None):
+        self.device_id = device_id
+        self.dtype = dtype
+        self.operands = operands
+        self.vectors = dtype != "float32"
+        self.grads = grads  # GradientOut of dq, dk, dv
+        self.out_lead = out_lead
+        self.workspace_bytes = workspace_bytes  # lse2 at offset 0, delta at delta_offset, accumulators
+        self.delta_offset = delta_offset
+        self.zero = zero  # bytes of dQ's accumulator to clear first (atomic dQ), or None
+        self.kernels = kernels
+        self.fwd_blocks, self.bwd_block = fwd_blocks, bwd_block
+        self.reduces = reduces  # (Kernel, gradient index)
+        self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
+        self.maps = maps  # the wgmma key pass's tensor maps (q, k, v, dO), or None
+        self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
+        self.varlen = False  # the launches read cu_seqlens_q / cu_seqlens_k (run's last arguments)
+        # The CuPy front end's, made at its first call: the gradients' one-allocation layout; the
+        # byte extents of the inputs and the specs of caller-given gradients.
+        self.cupy_outputs = self.cupy_extents = None
+        self.ctx = _driver.device_context(device_id)
+        self.lock = threading.Lock()
+
+    def check(self, do, q, k, v, o):
+        if self.vectors and (do | q | k | v | o) & 15:
+            for (name, shape, strides), ptr in zip(self.operands, (do, q, k, v, o)):
+                if ptr & 15:
+                    raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
+
+    def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q=0, cu_seqlens_k=0):
+        self.check(do, q, k, v, o)
+        with self.lock:
+            if self.maps is None or self.maps.bind((q, k, v, do)):
+                with _driver.Context(self.ctx) as drv:
+                    self._launch(drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q,
+                                 cu_seqlens_k)
+                return
+        self.fallback().run(do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q, cu_seqlens_k)
+
+    def _launch(self, drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q, cu_seqlens_k):
+        outs = (dq, dk, dv)
+        if self.zero_grads:
+            for ptr, grad in zip(outs, self.grads):
+                nbytes = math.prod(grad.shape) * _checks.itemsize(self.dtype)
+                if nbytes:
+                    _driver.check(drv.memset_async(ptr, nbytes, stream), "cudaMemsetAsync")
+            return
+        accs = [ptr if g.kind == "direct" else workspace + g.offset for ptr, g in zip(outs, self.grads)]
+        lse2, delta = workspace, workspace + self.delta_offset
+        for block in self.fwd_blocks:
+            block[0:6] = (q, k, v, o, l, m)
+            if self.varlen:
+                word = _params.CU_SEQLENS_WORD
+                block[word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
+        self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
+        if self.zero is not None:
+            _driver.check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")
+        for kernel in self.kernels:
+            kernel.launch(drv, stream)
+        for kernel, index in self.reduces:
+            kernel.params[0][0:2] = (accs[index], outs[index])
+            kernel.launch(drv, stream)
+
+
+def _check_forward_outputs(do_shape, o_shape, out_shape):
+    for name, shape in (("do", do_shape), ("o", o_shape)):
+        if tuple(shape) != out_shape:
+            raise ValueError(f"{name} must have the forward output's shape {out_shape}, got {tuple(shape)}")
+
+
+def _check_stats(stats, stats_shape):
+    """l and m as the forward returned them: ((shape, strides, dtype name), ...)."""
+    for name, (shape, st, stat_dtype) in zip(("l", "m"), stats):
+        contiguous = _is_c_contiguous(shape, st)
+        if tuple(shape) != stats_shape or stat_dtype != "float32" or not contiguous:
+            raise ValueError(
+                f"{name} must be the forward's C-contiguous float32 array of shape {stats_shape}, "
+                f"got shape {tuple(shape)}, dtype {stat_dtype}, contiguous {contiguous}"
+            )
+
+
+def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype, zero_dq_acc=False, head_group=1):
+    """struct BwdParams with its pointers 0 (a call writes them); strides: do, q, k, v, o."""
+    return _driver.words(struct.pack(_params.BWD_PARAM_FORMAT, *(0,) * 9, nq_pad, *do_lead, *o_lead, strides[0][-2],
+                              strides[4][-2], int(dkv_in_dtype), int(zero_dq_acc), head_group))
+
+
+def _reduce_kernels(grads, out_lead, dtype, device_id):
+    """(Kernel, gradient index) of each gradient summed over broadcast or grouped heads on the GPU."""
+    reduces = []
+    for index, grad in enumerate(grads):
+        if grad.kind != "reduce":
+            continue
+        variant = _variants.GradientReduce(dtype)
+        inner = math.prod(grad.acc_shape[len(out_lead):])
+        outer = math.prod(grad.shape[:-2])
+        per_cta = variant.threads * variant.elements_per_thread
+        grid = (max(1, min(-(-outer * inner // per_cta), 16 * _driver.sm_count(device_id))), 1, 1)
+        block = _driver.words(struct.pack(_params.REDUCE_PARAM_FORMAT, 0, 0, grad.group, inner, outer))
+        reduces.append((_driver.Kernel(variant, device_id, grid, [block]), index))
+    return reduces
+
+
+def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
+                             deterministic, ptrs, tma=True):
+    """shapes / strides (elements): do, q, k, v, o; stats: ((shape, strides, dtype name) of l, m);
+    ptrs: theirs."""
+    do_shape, q_shape, k_shape, v_shape, o_shape = shapes
+    names = ("do", "q", "k", "v", "o")
+    operands = tuple(zip(names, shapes, strides))
+    nq, nk, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
+    for name, shape, st in operands:
+        _checks.check_last_dim_contiguous(name, shape, st)
+    qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
+    out_lead = broadcast_layout(*qkv).out_lead_shape
+    out_shape = out_lead + (nq, dv)
+    _check_forward_outputs(do_shape, o_shape, out_shape)
+    mask, window = _checks.check_sparsity(mask, None, window, nq, nk, out_lead)
+    layout = _checks.layout_with_mask(qkv, ((do_shape, strides[0]), (o_shape, strides[4])), mask)
+    _check_stats(stats, out_shape[:-1])
+    scale = _checks.resolve_scale(scale, d)
+    num_batch = math.prod(layout.lead_shape)
+    grad_shapes = (q_shape, k_shape, v_shape)
+    if num_batch == 0 or nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
+        grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
+        return BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
+    _launch.check_vector_operands(operands, ptrs, dtype)
+    cc = _driver.compute_capability(device_id)
+    kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic, sparse=mask is not None,
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), tma=tma, nk=nk,
+                                    slices=num_batch)
+    nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
+    kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, num_batch,
+                               lambda cols: -(-nk // cols), device_id)
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+    do_lead, o_lead = layout.extra_strides[:2]
+
+    @functools.lru_cache(maxsize=1)
+    def fallback():  # the cp.async form, for inputs the copy engine cannot map
+        return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
+                                        deterministic, ptrs, tma=False)
+
+    maps = _backward_maps(kplan, nq, nk, d, layout, row_strides, strides[0][-2], ptrs)
+    if maps is not None and not maps.ok:
+        return fallback()
+
+    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
+                                               group)
+    kv_direct = grads[1].kind == "direct"
+    mask_strides = layout.extra_strides[-1] if mask is not None else ()
+    # Atomic dQ adds into a zeroed accumulator: the preprocess, which visits every query row
+    # first, zeroes it (one launch fewer than a memset).
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", kplan.atomic_dq,
+                                group)
+    fwd_blocks, kernels = [], []
+
+    def add(variant, grid_x, transpose=False, slices=num_batch):
+        tiled = mask if variant is not kplan.preprocess else None  # the preprocess walks no tiles
+        with _driver.device(device_id):
+            sparsity, lists = _launch.sparsity_fields(tiled, mask_strides, nq, nk, variant, transpose=transpose,
+                                              causal=causal, window=window)
+        block = _driver.words(_launch.forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))
+        fwd_blocks.append(block)
+        kernel = _driver.Kernel(variant, device_id, _launch.slice_grid(grid_x, slices), _backward_params(variant, block, bwd_block, maps),
+                        d, dv)
+        kernel.lists = lists
+        kernels.append(kernel)
+
+    add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
+    for variant in kplan.key_passes:  # one CTA per key tile (and group of heads): the transposed lists
+        key_tiles = -(-nk // variant.block_cols)
+        if getattr(variant, "persistent", False):  # one CTA an SM walks every (key tile, slice)
+            add(variant, min(key_tiles * num_batch, _driver.sm_count(device_id)), transpose=True, slices=1)
+        else:
+            add(variant, key_tiles, transpose=True, slices=num_batch // group)
+    if kplan.dq is not None:  # one CTA per query tile
+        add(kplan.dq, -(-nq // kplan.dq.block_rows))
+
+    reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
+    return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, None, tuple(kernels),
+                        tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
+                        fallback=fallback if maps is not None else None)
+
+
+def _backward_maps(kplan, nq, nk, d, layout, row_strides, do_row_stride, ptrs):
+    """The tensor maps (q, k, v, dO) of a wgmma key pass that loads through them, else None;
+    row_strides: of q, k, v; ptrs: of do, q, k, v, o. A packed batch's maps span every row of a
+    head."""
+    key_pass = kplan.key_passes[0]
+    if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.tma):
+        return None
+    do_strides = (*layout.extra_strides[0], do_row_stride)
+    return _driver.Maps(_tma.backward_geometries(nq, nk, d, layout, row_strides, do_strides, key_pass.block_rows,
+                                          key_pass.block_cols), (ptrs[1], ptrs[2], ptrs[3], ptrs[0]),
+                 _tma.BWD_PARAM_BYTES)
+
+
+def _backward_params(variant, block, bwd_block, maps):
+    """A backward kernel's parameter blocks: FwdParams, BwdParams and, for the wgmma key pass,
+    its tensor maps (zeros where it loads with cp.async)."""
+    if not isinstance(variant, _variants.HopperBackward):
+        return [block, bwd_block]
+    return [block, bwd_block, maps.block if maps is not None else _driver.words(bytes(_tma.BWD_PARAM_BYTES))]
+
+
+def _grouped_lead(out_lead, group) -> tuple:
+    """The leading dims of k / v grouped ``group`` query heads a k/v head over the output's."""
+    return out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
+
+
+def _head_group(kernels_for, grad_shapes, out_lead, kv_group, num_batch, key_tiles, device_id) -> tuple:
+    """(the kernels, the query heads a wgmma key-pass CTA walks): kernels_for(grouped=...) is
+    _config.backward_plan with the call's arguments; the group is _config.backward_head_group's
+    where k and v are grouped over q's heads and broadcast nowhere else, else 1.
+    key_tiles(block_cols): the key pass's grid along x."""
+    kplan = kernels_for()
+    key_pass = kplan.key_passes[0]
+    if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.atomic_dq and not key_pass.sparse
+            and kv_group > 1 and all(tuple(s[:-2]) == _grouped_lead(out_lead, kv_group) for s in grad_shapes[1:])):
+        return kplan, 1
+    group = _config.backward_head_group(kv_group, num_batch, key_tiles(key_pass.block_cols), _driver.sm_count(device_id))
+    return (kernels_for(grouped=True) if group > 1 else kplan), group
+
+
+def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad, head_group=1):
+    """(GradientOut of dq, dk, dv; delta's offset; workspace bytes) of a backward: lse2
+    (num_batch, nq_pad, 2) at 0, delta (num_batch, nq_pad), then the float32 accumulators of
+    the gradients the kernels cannot write in place. head_group: the query heads a key-pass CTA
+    walks (a divisor of kv_group, k and v grouped: _head_group): dK and dV are summed over them in the
+    kernel, so written in place when it is kv_group, else accumulated over kv_group / head_group
+    slices a k/v head. Shapes alone decide it (the JAX adapter sizes its workspace output with
+    it at trace time)."""
+    q_shape, k_shape, v_shape = grad_shapes
+    nq, d, nk, dv = q_shape[-2], q_shape[-1], k_shape[-2], v_shape[-1]
+    delta_offset = align(4 * num_batch * nq_pad * 2)
+    end = delta_offset + align(4 * num_batch * nq_pad)
+    # When k and v are not broadcast or grouped, each key row gets its gradient from one CTA:
+    # the kernel writes dK and dV final, in the input dtype.
+    kv_direct = all(tuple(s[:-2]) == out_lead for s in (k_shape, v_shape))
+    acc_shapes = (out_lead + (nq, d), out_lead + (nk, d), out_lead + (nk, dv))
+    grads = []
+    for index, (shape, acc_shape) in enumerate(zip(grad_shapes, acc_shapes)):
+        own_lead = tuple(shape[:-2])
+        if (index == 0 and own_lead == out_lead and dtype == "float32") or (index > 0 and kv_direct):
+            grads.append(GradientOut("direct", 0, acc_shape, 1, tuple(shape)))  # written in place
+            continue
+        group = 1 if index == 0 else kv_group
+        kind = "reduce" if own_lead == _grouped_lead(out_lead, group) else "generic"
+        if index > 0 and head_group > 1:
+            if head_group == kv_group:  # summed over the whole group in the kernel
+                grads.append(GradientOut("direct", 0, tuple(shape), 1, tuple(shape)))
+                continue
+            acc_shape = out_lead[:-1] + (out_lead[-1] // head_group,) + acc_shape[-2:]
+            group = kv_group // head_group
+        grads.append(GradientOut(kind, end, acc_shape, group, tuple(shape)))
+        end += align(4 * math.prod(acc_shape))
+    return tuple(grads), delta_offset, end
+
+
+def _is_c_contiguous(shape, strides) -> bool:
+    """Row-major without gaps (element strides; dims of one element and empty arrays pass)."""
+    if 0 in tuple(shape):
+        return True
+    step = 1
+    for n, s in zip(reversed(tuple(shape)), reversed(tuple(strides))):
+        if n > 1 and s != step:
+            return False
+        step *= n
+    return True
+
+
+def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window, deterministic,
+                                    num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=True):
+    """As _backward_signature_plan, for a varlen call (shapes: do, q, k, v, o)."""
+    do_shape, q_shape, k_shape, v_shape, o_shape = shapes
+    names = ("do", "q", "k", "v", "o")
+    operands = tuple(zip(names, shapes, strides))
+    _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
+    total_q, total_k, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
+    for name, shape, st in operands:
+        _checks.check_last_dim_contiguous(name, shape, st)
+    qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
+    out_lead = broadcast_layout(*qkv).out_lead_shape
+    out_shape = out_lead + (total_q, dv)
+    _check_forward_outputs(do_shape, o_shape, out_shape)
+    window = _checks.check_sparsity(None, None, window, total_q, total_k, out_lead)[1]
+    layout = broadcast_layout(*qkv, extras=((do_shape, strides[0]), (o_shape, strides[4])))
+    _check_stats(stats, out_shape[:-1])
+    scale = _checks.resolve_scale(scale, d)
+    heads = math.prod(layout.lead_shape)
+    grad_shapes = (q_shape, k_shape, v_shape)
+    if heads == 0 or total_q == 0 or total_k == 0 or num_seqs == 0:  # no query sees a key
+        grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
+        plan = BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
+        plan.varlen = True
+        return plan
+    _launch.check_vector_operands(operands, ptrs, dtype)
+    cc = _driver.compute_capability(device_id)
+    kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic,
+                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), varlen=True, tma=tma)
+    nq_pad = _launch.varlen_stats_rows(total_q, num_seqs)  # per head
+    kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
+                               lambda cols: _launch.varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
+    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
+
+    @functools.lru_cache(maxsize=1)
+    def fallback():  # the cp.async form, for inputs the copy engine cannot map
+        return _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window,
+                                               deterministic, num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=False)
+
+    maps = _backward_maps(kplan, total_q, total_k, d, layout, row_strides, strides[0][-2], ptrs)
+    if maps is not None and not maps.ok:
+        return fallback()
+    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad, group)
+    kv_direct = grads[1].kind == "direct"
+    zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
+    do_lead, o_lead = layout.extra_strides[:2]
+    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", head_group=group)
+    sparsity = (*(window or _checks.NO_WINDOW), *_launch.DENSE_TILES)
+    fwd_blocks, kernels = [], []
+
+    def add(variant, grid_x, slices=heads * num_seqs):
+        block = _driver.words(_launch.forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))
+        fwd_blocks.append(block)
+        kernels.append(_driver.Kernel(variant, device_id, _launch.slice_grid(grid_x, slices),
+                              _backward_params(variant, block, bwd_block, maps), d, dv))
+
+    stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
+    add(kplan.preprocess, max(1, -(-stats_rows // kplan.preprocess.rows_a_cta(dv))))
+    for variant in kplan.key_passes:
+        add(variant, _launch.varlen_grid_x(max_seqlen_k, total_k, variant.block_cols), slices=heads * num_seqs // group)
+    if kplan.dq is not None:
+        add(kplan.dq, _launch.varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
+    reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
+    plan = BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
+                        tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
+                        fallback=fallback if maps is not None else None)
+    plan.varlen = True
+    return plan
