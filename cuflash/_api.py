@@ -11,10 +11,11 @@ import contextlib
 
 import numpy as np
 
-from . import _broadcast, _checks, _config, _decode, _plan
+from . import _broadcast, _checks, _decode, _plan
 from ._arrays import (AttentionGradients, AttentionOutput, as_cupy, extent, given_outputs, longest_sequence,
                       new_outputs, one_device, output_specs, stream_on)
 from ._arrays import element_strides as _element_strides
+from ._cache import PLANS
 from ._checks import as_block_mask
 from .masks import window_option
 
@@ -35,11 +36,11 @@ def _forward_outputs(plan, q, k, v, out):
     return given_outputs(out, ("o", "l", "m"), specs[0], plan.device_id, inputs)
 
 
-# (argument shapes, strides, dtypes, devices, options) -> plan: a call repeating a signature
-# skips even the normalisation of its arguments. Arguments that cannot be hashed (a boolean
-# array as block_mask, a list as window) take the normalising path every time.
-_forward_calls: dict = {}
-_backward_calls: dict = {}
+# The plan cache's hit path. A call's raw arguments (shapes, byte strides, dtypes, devices,
+# options) find its plan: a call repeating a signature skips even the normalisation of its
+# arguments. Arguments that cannot be hashed (a boolean array as block_mask, a list as window)
+# take the normalising path every time.
+_recent = PLANS.recent.get
 
 
 def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
@@ -140,10 +141,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         return _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, out)
     try:
-        key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
-               q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
-               window, _config.GENERATION[0])
-        plan = _forward_calls.get(key)
+        key = ("cupy forward", q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype,
+               v.dtype, q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
+               window)
+        plan = _recent(key)
     except TypeError:  # an unhashable argument
         key = plan = None
     if page_table is not None or seqlens_k is not None or num_splits is not None:
@@ -155,9 +156,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
         return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
                                         seqlens_k=seqlens_k, num_splits=num_splits, out=out)
     if plan is None:
-        plan = _forward_plan(q, k, v, causal, scale, block_mask, block_size, window)
-        if key is not None:
-            _plan.remember(_forward_calls, key, plan)
+        plan = PLANS.get_or_build(key, lambda: _forward_plan(q, k, v, causal, scale, block_mask, block_size, window))
     if plan.decode:
         return _decode.run_routed(plan, q, k, v, causal, scale, window, out)
     stream, current = stream_on(plan.device_id)
@@ -270,15 +269,14 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
         return _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k,
                                 max_seqlen_q, max_seqlen_k, out)
     try:
-        key = tuple((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
-            causal, scale, deterministic, block_mask, block_size, window, _config.GENERATION[0])
-        plan = _backward_calls.get(key)
+        key = ("cupy backward", *((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays), causal, scale,
+               deterministic, block_mask, block_size, window)
+        plan = _recent(key)
     except TypeError:
         key = plan = None
     if plan is None:
-        plan = _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window)
-        if key is not None:
-            _plan.remember(_backward_calls, key, plan)
+        plan = PLANS.get_or_build(key, lambda: _backward_plan(arrays, causal, scale, deterministic, block_mask,
+                                                              block_size, window))
     return _run_backward(plan, arrays, out)
 
 

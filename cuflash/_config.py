@@ -7,7 +7,7 @@ in from the tile tables of cuflash/_tiles.py; the fixed limits are in cuflash/_c
 The enumerations (:func:`all_variants`, :func:`variants_for`) list every variant these
 functions can return, which is what the offline compile check builds. The switches
 (:func:`wgmma_forward`, :func:`wgmma_backward`) and the tile overrides for tuning runs bump
-:data:`GENERATION`, so that cached launch plans are rebuilt.
+:data:`GENERATION` (:func:`bump_generation`), so that cached launch plans are rebuilt.
 """
 
 from __future__ import annotations
@@ -29,9 +29,22 @@ from ._variants import (BackwardPlan, BackwardPreprocess, DecodeCombine, Float32
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
-# Bumped whenever a switch or a table override changes what the dispatcher picks: cached
-# launch plans (cuflash/_plan.py) carry the generation they were built in.
+# Bumped (by bump_generation) whenever a switch or a table override changes what the dispatcher
+# picks: the plan cache (cuflash/_cache.py) empties then, as plans hold the old choices.
 GENERATION = [0]
+_generation_listeners: list = []
+
+
+def on_generation_change(listener):
+    """Call ``listener()`` after every change of the choices (bump_generation)."""
+    _generation_listeners.append(listener)
+
+
+def bump_generation():
+    """Say that the choices changed: every plan built before is out of date."""
+    GENERATION[0] += 1
+    for listener in _generation_listeners:
+        listener()
 
 
 @contextlib.contextmanager
@@ -39,12 +52,12 @@ def _switched(switch: list, enabled: bool):
     """Temporarily set a module switch (a one-element list)."""
     saved = switch[0]
     switch[0] = bool(enabled)
-    GENERATION[0] += 1
+    bump_generation()
     try:
         yield
     finally:
         switch[0] = saved
-        GENERATION[0] += 1
+        bump_generation()
 
 
 def wgmma_forward(enabled: bool):
@@ -172,13 +185,13 @@ def _table_override(table, entries):
     """Temporarily update a tile table (for tuning runs that compare tiles in one process)."""
     saved = dict(table)
     table.update(entries)
-    GENERATION[0] += 1
+    bump_generation()
     try:
         yield
     finally:
         table.clear()
         table.update(saved)
-        GENERATION[0] += 1
+        bump_generation()
 
 
 def forward_tiles_override(tiles_by_bucket):

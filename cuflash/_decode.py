@@ -20,9 +20,12 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _arrays, _checks, _config, _constants, _driver, _launch, _params, _plan, _tiles, _variants
+from . import _arrays, _checks, _config, _constants, _driver, _launch, _params, _tiles, _variants
 from ._arrays import AttentionOutput
+from ._cache import PLANS
 from .masks import window_option
+
+_recent = PLANS.recent.get  # the plan cache's hit path (cuflash/_cache.py)
 
 # The kernel counts keys (and capacity + Nq) in 32 bits, and a paged CTA computes key positions
 # of tiles up to DECODE_PAGE_SLOTS + 2 past its last (page-table reads ahead, their results
@@ -332,19 +335,17 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
         device_id = q.device.id
         arrays = (q, k, v, page_table, seqlens_k)
         try:
-            key = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
-                causal, scale, window, num_splits)
-            plan = _plans.get(key)
+            key = ("cupy decode", *(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id)
+                                    for x in arrays), causal, scale, window, num_splits)
+            launch = _recent(key)
         except (TypeError, AttributeError):  # unhashable or not arrays: the checks say what is wrong
-            key = plan = None
-        if plan is not None and (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
-            plan = None  # plan_decode raises the alignment error
-        if plan is None:
-            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_driver.sm_count(device_id))
-            if key is not None:
-                _plan.remember(_plans, key, plan)
-        launch = bound_launch(plan, device_id)
+            key = launch = None
+        if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning again raises the alignment error
+            key = launch = None
+        if launch is None:
+            launch = PLANS.get_or_build(key, lambda: bound_launch(plan_decode(
+                q, k, v, causal=causal, scale=scale, window=window, page_table=page_table, seqlens_k=seqlens_k,
+                num_splits=num_splits, sm_count=_driver.sm_count(device_id)), device_id))
         if out is not None:
             out = _checked_out(launch, out, q, k, v, page_table, seqlens_k)
         return _run_launch(launch, q, k, v, page_table, seqlens_k, None, out, cupy.cuda.get_current_stream().ptr)
@@ -362,11 +363,6 @@ def _checked_out(launch, out, *arrays):
     inputs = [(name, x.data.ptr, e) for (name, x), e in zip(given, extents)]
     return _arrays.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
                               arrays[0].data.device_id, inputs)
-
-
-# (shapes, strides, dtypes, devices of q, k, v, page_table, seqlens_k; options) -> DecodePlan:
-# the host checks and choices run once per signature.
-_plans: dict = {}
 
 
 class DecodeLaunch:
@@ -423,17 +419,10 @@ class DecodeLaunch:
                 self.combine.launch(drv, stream)
 
 
-# id(plan) -> (plan, DecodeLaunch): the plan is held so that its id is not reused.
-_launches: dict = {}
-
-
 def bound_launch(plan: DecodePlan, device_id: int) -> DecodeLaunch:
-    """The plan's :class:`DecodeLaunch` on ``device_id``, built once."""
-    entry = _launches.get((id(plan), device_id))
-    if entry is None:
-        entry = (plan, DecodeLaunch(plan, device_id))
-        _plan.remember(_launches, (id(plan), device_id), entry)
-    return entry[1]
+    """The plan's :class:`DecodeLaunch` on ``device_id``, built once: kept with the plan, so
+    that the plan's id is not reused while the entry lives."""
+    return PLANS.get_or_build(("decode", id(plan), device_id), lambda: (plan, DecodeLaunch(plan, device_id)))[1]
 
 
 def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,

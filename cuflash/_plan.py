@@ -15,55 +15,29 @@ the plans.
 
 from __future__ import annotations
 
-import threading
-
-from . import _config
 from ._backward import BackwardPlan, _backward_signature_plan, _varlen_backward_signature_plan
+from ._cache import PLANS, clear, plan_counts  # noqa: F401  (the plans' cache, for callers of _plan)
 from ._forward import ForwardPlan, _forward_signature_plan, _varlen_forward_signature_plan
 
-# ---- the caches ------------------------------------------------------------------------------
-
-_MAX_PLANS = 1024  # bounded: a plan may hold a block mask's device lists alive
-_forward_plans: dict = {}
-_backward_plans: dict = {}
-_build_lock = threading.Lock()
-
-
-def remember(cache: dict, key, plan):
-    """Keep ``plan`` under ``key``, dropping the oldest entry past _MAX_PLANS (the front ends'
-    caches of raw call signatures use it too)."""
-    if len(cache) >= _MAX_PLANS:
-        cache.pop(next(iter(cache)))
-    cache[key] = plan
-
-
-def _cached(cache, key, build):
-    plan = cache.get(key)
-    if plan is None:
-        with _build_lock:
-            plan = cache.get(key)
-            if plan is None:
-                plan = build()
-                remember(cache, key, plan)
-    return plan
+# ---- the entry points ------------------------------------------------------------------------
 
 
 def forward_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id,
                  causal, scale, mask, window, ptrs) -> ForwardPlan:
     """The plan of a forward signature (strides in elements, dtype a name, mask a BlockMask or
     None, window normalised); ``ptrs`` (q, k, v) are used only when the plan is built."""
-    key = (q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal), scale,
-           mask, window, _config.GENERATION[0])
-    return _cached(_forward_plans, key, lambda: _forward_signature_plan(
+    key = ("forward", q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal),
+           scale, mask, window, None)
+    return PLANS.get_or_build(key, lambda: _forward_signature_plan(
         q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal), scale,
         mask, window, ptrs))
 
 
 def backward_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window, deterministic,
                   ptrs) -> BackwardPlan:
-    key = (shapes, strides, dtype, stats, device_id, bool(causal), scale, mask, window, bool(deterministic),
-           _config.GENERATION[0])
-    return _cached(_backward_plans, key, lambda: _backward_signature_plan(
+    key = ("backward", shapes, strides, dtype, stats, device_id, bool(causal), scale, mask, window,
+           bool(deterministic), None)
+    return PLANS.get_or_build(key, lambda: _backward_signature_plan(
         shapes, strides, dtype, stats, device_id, bool(causal), scale, mask, window, bool(deterministic), ptrs))
 
 
@@ -71,28 +45,17 @@ def varlen_forward_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strid
                         scale, window, num_seqs, max_seqlen_q, ptrs) -> ForwardPlan:
     """The plan of a varlen forward signature: forward_plan's, plus the number of sequences and
     max_seqlen_q (a host int); the cu_seqlens pointers are run's per-call arguments."""
-    key = ("varlen", q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal),
-           scale, window, num_seqs, max_seqlen_q, _config.GENERATION[0])
-    return _cached(_forward_plans, key, lambda: _varlen_forward_signature_plan(
+    key = ("forward", q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal),
+           scale, None, window, (num_seqs, max_seqlen_q))
+    return PLANS.get_or_build(key, lambda: _varlen_forward_signature_plan(
         q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id, bool(causal), scale, window,
         num_seqs, max_seqlen_q, ptrs))
 
 
 def varlen_backward_plan(shapes, strides, dtype, stats, device_id, causal, scale, window, deterministic, num_seqs,
                          max_seqlen_q, max_seqlen_k, ptrs) -> BackwardPlan:
-    key = ("varlen", shapes, strides, dtype, stats, device_id, bool(causal), scale, window, bool(deterministic),
-           num_seqs, max_seqlen_q, max_seqlen_k, _config.GENERATION[0])
-    return _cached(_backward_plans, key, lambda: _varlen_backward_signature_plan(
+    key = ("backward", shapes, strides, dtype, stats, device_id, bool(causal), scale, None, window,
+           bool(deterministic), (num_seqs, max_seqlen_q, max_seqlen_k))
+    return PLANS.get_or_build(key, lambda: _varlen_backward_signature_plan(
         shapes, strides, dtype, stats, device_id, bool(causal), scale, window, bool(deterministic), num_seqs,
         max_seqlen_q, max_seqlen_k, ptrs))
-
-
-def plan_counts() -> tuple:
-    """(forward, backward) plans built so far and cached (for tests)."""
-    return len(_forward_plans), len(_backward_plans)
-
-
-def clear():
-    with _build_lock:
-        _forward_plans.clear()
-        _backward_plans.clear()

@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _arrays, _broadcast, _checks, _decode, _driver, _plan
+from ._cache import PLANS
 from .masks import window_option
 
 __all__ = ["attention"]
@@ -66,43 +67,48 @@ def _cupy_stream(ptr: int, device: int):
 
 
 # XLA lays out a custom call's operands row-major, so shapes, dtype and device are the whole
-# signature of a call: (shapes, dtype, device, options) -> launch plan.
-_plans: dict = {}
+# signature of a call: (shapes, dtype, device, options) finds its launch plan in the plan cache
+# (cuflash/_cache.py), whose hit path this is.
+_recent = PLANS.recent.get
 
 
 def _forward_plan(q, k, v, device, options, lengths=None):
     """lengths: (num_seqs, max_seqlen_q, max_seqlen_k) of a packed varlen batch, else None."""
-    key = (q.shape, k.shape, v.shape, q.dtype, device, options, lengths)
-    plan = _plans.get(key)
+    key = ("jax forward", q.shape, k.shape, v.shape, q.dtype, device, options, lengths)
+    plan = _recent(key)
     if plan is None:
-        causal, scale, mask, window = options
-        operands = (tuple(q.shape), _arrays.contiguous_strides(q.shape), tuple(k.shape), _arrays.contiguous_strides(k.shape),
-                    tuple(v.shape), _arrays.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
-        ptrs = (_pointer(q), _pointer(k), _pointer(v))
-        if lengths is None:
-            plan = _plan.forward_plan(*operands, mask, window, ptrs)
-        else:
-            plan = _plan.varlen_forward_plan(*operands, window, *lengths[:2], ptrs)
-        _plans[key] = plan
+        plan = PLANS.get_or_build(key, lambda: _new_forward_plan(q, k, v, device, options, lengths))
     return plan
+
+
+def _new_forward_plan(q, k, v, device, options, lengths):
+    causal, scale, mask, window = options
+    operands = (tuple(q.shape), _arrays.contiguous_strides(q.shape), tuple(k.shape), _arrays.contiguous_strides(k.shape),
+                tuple(v.shape), _arrays.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
+    ptrs = (_pointer(q), _pointer(k), _pointer(v))
+    if lengths is None:
+        return _plan.forward_plan(*operands, mask, window, ptrs)
+    return _plan.varlen_forward_plan(*operands, window, *lengths[:2], ptrs)
 
 
 def _backward_plan(args, device, options, deterministic, lengths=None):
-    key = tuple(a.shape for a in args) + (args[1].dtype, device, options, deterministic, lengths)
-    plan = _plans.get(key)
+    key = ("jax backward", *(a.shape for a in args), args[1].dtype, device, options, deterministic, lengths)
+    plan = _recent(key)
     if plan is None:
-        causal, scale, mask, window = options
-        main = args[:5]
-        stats = tuple((tuple(x.shape), _arrays.contiguous_strides(x.shape), "float32") for x in args[5:7])
-        operands = (tuple(tuple(x.shape) for x in main), tuple(_arrays.contiguous_strides(x.shape) for x in main),
-                    _checks.dtype_name(args[1].dtype), stats, device, causal, scale)
-        ptrs = tuple(_pointer(x) for x in main)
-        if lengths is None:
-            plan = _plan.backward_plan(*operands, mask, window, deterministic, ptrs)
-        else:
-            plan = _plan.varlen_backward_plan(*operands, window, deterministic, *lengths, ptrs)
-        _plans[key] = plan
+        plan = PLANS.get_or_build(key, lambda: _new_backward_plan(args, device, options, deterministic, lengths))
     return plan
+
+
+def _new_backward_plan(args, device, options, deterministic, lengths):
+    causal, scale, mask, window = options
+    main = args[:5]
+    stats = tuple((tuple(x.shape), _arrays.contiguous_strides(x.shape), "float32") for x in args[5:7])
+    operands = (tuple(tuple(x.shape) for x in main), tuple(_arrays.contiguous_strides(x.shape) for x in main),
+                _checks.dtype_name(args[1].dtype), stats, device, causal, scale)
+    ptrs = tuple(_pointer(x) for x in main)
+    if lengths is None:
+        return _plan.backward_plan(*operands, mask, window, deterministic, ptrs)
+    return _plan.varlen_backward_plan(*operands, window, deterministic, *lengths, ptrs)
 
 
 def _xla_stream(ctx) -> int:
@@ -220,9 +226,9 @@ def _gpu_size(device):
 
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")
-# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodePlan, callback):
-# the split count, hence the workspace output's size, is fixed when the call is traced.
-_decode_calls: dict = {}
+# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodePlan, callback)
+# in the plan cache: the split count, hence the workspace output's size, is fixed when the call
+# is traced.
 
 
 def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=None):
@@ -231,20 +237,9 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
     arguments); they are the differentiable forward's, for its fallback under jax.vmap."""
     arrays = dict(zip(_DECODE_INPUTS, (q, k, v, page_table, seqlens_k)))
     device = _trace_device()
-    key = tuple(None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in arrays.values()) + (
-        options, forward_options, device)
-    entry = _decode_calls.get(key)
-    if entry is None:
-        causal, scale, window, num_splits = options
-        meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0)
-                for name, x in arrays.items()}
-        plan = _decode.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
-                                   page_table=meta["page_table"], seqlens_k=meta["seqlens_k"],
-                                   num_splits=num_splits, **_gpu_size(device))
-        names = tuple(name for name, x in arrays.items() if x is not None)
-        entry = plan, _decode_callback(plan, names, options, forward_options)
-        _plan.remember(_decode_calls, key, entry)
-    plan, callback = entry
+    key = ("jax decode", *(None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in arrays.values()),
+           options, forward_options, device)
+    plan, callback = PLANS.get_or_build(key, lambda: _traced_decode(arrays, device, options, forward_options))
     stats = jax.ShapeDtypeStruct(plan.out_shape[:-1], np.float32)
     shapes = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype), stats, stats)
     if plan.workspace_bytes:
@@ -254,6 +249,17 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
     # plans the batched shapes (_run_decode).
     call = buffer_callback(callback, shapes, vmap_method="sequential" if forward_options is None else "expand_dims")
     return tuple(call(*(x for x in arrays.values() if x is not None))[:3])
+
+
+def _traced_decode(arrays, device, options, forward_options):
+    """(DecodePlan, callback) of a decoding call's traced arrays."""
+    causal, scale, window, num_splits = options
+    meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0) for name, x in arrays.items()}
+    plan = _decode.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
+                               page_table=meta["page_table"], seqlens_k=meta["seqlens_k"], num_splits=num_splits,
+                               **_gpu_size(device))
+    names = tuple(name for name, x in arrays.items() if x is not None)
+    return plan, _decode_callback(plan, names, options, forward_options)
 
 
 def _decode_callback(plan, names, options, forward_options):
@@ -293,10 +299,6 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
                                            0 if workspace is None else workspace.data.ptr, _xla_stream(ctx))
 
 
-# (shapes, dtype, split count, options) of a routed call's vmapped buffers -> DecodePlan or None.
-_batched_decode_plans: dict = {}
-
-
 def _batched_decode_plan(arrays, num_splits, options):
     """The plan of a routed call's vmapped buffers with the traced call's split count, or None
     where those shapes do not take the split-KV kernels (an unbatched operand's size-1 dim
@@ -304,14 +306,14 @@ def _batched_decode_plan(arrays, num_splits, options):
     traced plan's bytes hold B times its rows in as many splits (each part is rounded up once
     instead of B times)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    key = (q.shape, k.shape, v.shape, q.dtype, num_splits, options)
-    if key not in _batched_decode_plans:
-        plan = None
-        if _decode.routes_short_queries(q, k, v):
-            causal, scale, window, _ = options
-            plan = _decode.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits)
-        _plan.remember(_batched_decode_plans, key, plan)
-    return _batched_decode_plans[key]
+
+    def build():  # (plan or None,): the cache keeps no None
+        if not _decode.routes_short_queries(q, k, v):
+            return (None,)
+        causal, scale, window, _ = options
+        return (_decode.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits),)
+
+    return PLANS.get_or_build(("jax batched decode", q.shape, k.shape, v.shape, q.dtype, num_splits, options), build)[0]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))

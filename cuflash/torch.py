@@ -20,8 +20,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _arrays, _broadcast, _checks, _config, _decode, _driver, _plan, _views
+from . import _arrays, _broadcast, _checks, _decode, _driver, _plan, _views
 from ._arrays import AttentionOutput
+from ._cache import PLANS
 from ._checks import NO_WINDOW, as_block_mask
 from .masks import BlockMask, window_option
 
@@ -51,9 +52,9 @@ except AttributeError:  # pragma: no cover - older or newer torch
         return torch.cuda.current_stream(index).cuda_stream
 
 
-# (shapes, strides, dtypes, devices, options) -> launch plan, for calls that repeat a signature.
-_forward_calls: dict = {}
-_backward_calls: dict = {}
+# The plan cache's hit path (cuflash/_cache.py): a call's raw arguments (shapes, strides,
+# dtypes, devices, options) find its launch plan when it repeats a signature.
+_recent = PLANS.recent.get
 
 
 def _forward_impl(q, k, v, causal, scale, mask, window):
@@ -77,23 +78,26 @@ def _split_stats(stats, shape):
 
 def _forward_plan(q, k, v, causal, scale, mask, window):
     """The forward plan of a call's signature, from this adapter's cache of raw signatures."""
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, causal, scale, mask, window, _config.GENERATION[0])
-    plan = _forward_calls.get(key)
+    key = ("torch forward", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device, causal, scale, mask, window)
+    plan = _recent(key)
     if plan is None:
-        device = _check_cuda(q, k, v)
-        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-        plan = _plan.forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
-                                  dtype, device.index, causal, scale, mask, window,
-                                  (q.data_ptr(), k.data_ptr(), v.data_ptr()))
-        plan.decode = _routes_short_queries(q, k, v, mask, plan)
-        _plan.remember(_forward_calls, key, plan)
+        plan = PLANS.get_or_build(key, lambda: _new_forward_plan(q, k, v, causal, scale, mask, window))
+    return plan
+
+
+def _new_forward_plan(q, k, v, causal, scale, mask, window):
+    device = _check_cuda(q, k, v)
+    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+    plan = _plan.forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
+                              dtype, device.index, causal, scale, mask, window, (q.data_ptr(), k.data_ptr(), v.data_ptr()))
+    plan.decode = _routes_short_queries(q, k, v, mask, plan)
     return plan
 
 
 def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
     """o, the statistics buffer (l's rows, then m's: _split_stats; one allocation for both) and
-    the forward's plan, whose ``backward_plans`` the eager backward uses. With ``route`` (a call
+    the forward's plan, by which the eager backward finds its own. With ``route`` (a call
     autograd does not record) a few queries a head against many keys take the split-KV
     decoding kernels, as cuflash.attention routes them (_decode.routes_short_queries)."""
     plan = _forward_plan(q, k, v, causal, scale, mask, window)
@@ -166,21 +170,19 @@ def _varlen_forward_impl(q, k, v, causal, scale, window, cu_q, cu_k, max_seqlen_
     return o, l, m
 
 
-_decode_plans: dict = {}
-
-
 def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None, num_splits=None):
     """o and the statistics buffer (_split_stats) of the split-KV decoding kernels (forward
     only) on torch's current stream, every buffer from
     torch's allocator and the launch bound once per signature: a decode step can be captured in
     a CUDA graph (lengths and pages are read from device memory, never by the host)."""
     tensors = (q, k, v, page_table, seqlens_k)
-    key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
-        causal, scale, window, num_splits)
-    launch = _decode_plans.get(key)
-    if launch is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # planning raises alignment errors
-        launch = _decode_launch(tensors, causal, scale, window, num_splits)
-        _plan.remember(_decode_plans, key, launch)
+    key = ("torch decode", *(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+           causal, scale, window, num_splits)
+    launch = _recent(key)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # planning again raises the alignment error
+        key = launch = None
+    if launch is None:
+        launch = PLANS.get_or_build(key, lambda: _decode_launch(tensors, causal, scale, window, num_splits))
     return _decode_run(launch, q, k, v, page_table, seqlens_k)
 
 
@@ -228,14 +230,13 @@ def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, determinis
 def _eager_backward(forward_plan, do, q, k, v, o, stats, causal, scale, mask, window, deterministic):
     """dq, dk, dv of a dense call the eager path ran on ``forward_plan`` (q, k, v, o and the
     statistics buffer ``stats`` are what it ran on, and autograd gives dO o's shape and device):
-    the backward's plan is looked up by dO's strides and dtype alone, in
-    ``forward_plan.backward_plans``."""
+    the backward's plan is looked up by the forward's plan and dO's strides and dtype alone."""
     l = stats.data_ptr()
     m = l + 4 * forward_plan.stats_rows
     short = None
     if not do.data_ptr() & 15:  # a misaligned dO is copied
-        short = (do.stride(), do.dtype, deterministic)
-        plan = forward_plan.backward_plans.get(short)
+        short = ("torch eager backward", forward_plan, do.stride(), do.dtype, deterministic)
+        plan = _recent(short)
         if plan is not None:
             return _backward_run(plan, do, q, k, v, o, l, m, ())
     plan, do, _ = _backward_signature(do, q, k, v, o, *_split_stats(stats, o.shape[:-1]), causal, scale, mask,
@@ -269,22 +270,27 @@ def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deter
         cu_seqlens = (cu_q.data_ptr(), cu_k.data_ptr())
         key = None
     else:
-        key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
-            causal, scale, mask, window, deterministic, _config.GENERATION[0])
-        plan = _backward_calls.get(key)
+        key = ("torch backward", *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), causal, scale, mask,
+               window, deterministic)
+        plan = _recent(key)
     if plan is None:
-        device = _check_cuda(*tensors)
-        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-        _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-        main = (do, q, k, v, o)
-        stats = tuple((tuple(t.shape), t.stride(), _checks.dtype_name(t.dtype)) for t in (l, m))
-        plan = _plan.backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main), dtype,
-                                   stats, device.index, causal, scale, mask, window, deterministic,
-                                   tuple(t.data_ptr() for t in main))
-        _plan.remember(_backward_calls, key, plan)
+        plan = PLANS.get_or_build(key, lambda: _new_backward_plan(tensors, causal, scale, mask, window,
+                                                                  deterministic))
     if short is not None and not copied:  # a dO laid out like this one needs no copy either
-        _plan.remember(forward_plan.backward_plans, short, plan)
+        PLANS.get_or_build(short, lambda: plan)
     return plan, do, cu_seqlens
+
+
+def _new_backward_plan(tensors, causal, scale, mask, window, deterministic):
+    do, q, k, v, o, l, m = tensors
+    device = _check_cuda(*tensors)
+    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+    _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
+    main = (do, q, k, v, o)
+    stats = tuple((tuple(t.shape), t.stride(), _checks.dtype_name(t.dtype)) for t in (l, m))
+    return _plan.backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main), dtype, stats,
+                               device.index, causal, scale, mask, window, deterministic,
+                               tuple(t.data_ptr() for t in main))
 
 
 def _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens):

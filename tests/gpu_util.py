@@ -139,12 +139,12 @@ def head_group_forced(form):
         return group
 
     _config.backward_head_group = forced
-    _config.GENERATION[0] += 1
+    _config.bump_generation()
     try:
         yield chosen
     finally:
         _config.backward_head_group = rule
-        _config.GENERATION[0] += 1
+        _config.bump_generation()
 
 
 @contextlib.contextmanager
@@ -156,9 +156,9 @@ def tma_refused():
 
     encode = _tma.encode
     _tma.encode = lambda *args, **kwargs: None
-    _config.GENERATION[0] += 1
+    _config.bump_generation()
     try:
         yield
     finally:
         _tma.encode = encode
-        _config.GENERATION[0] += 1
+        _config.bump_generation()
