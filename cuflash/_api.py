@@ -1,57 +1,69 @@
-"""cuflash.attention and cuflash.attention_backward on CuPy arrays.
+"""The CuPy front end: cuflash.attention and cuflash.attention_backward on CuPy arrays.
 
-A call takes its arrays zero-copy, looks up the launch plan of its signature (cuflash/_plan.py
-builds one the first time, with every argument check), allocates its outputs from CuPy's pool
-and hands the plan their pointers and CuPy's current stream.
+A call takes its arrays zero-copy and finds the plan of its signature in the plan cache by its
+raw arguments (cuflash/_cache.py); the first call of a signature turns them into a problem and
+asks the spine (cuflash/_spine.py) for its plan, which runs every argument check. The call then
+allocates its outputs from CuPy's pool and hands the plan their pointers and CuPy's current
+stream.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _broadcast, _checks, _decode, _plan
-from ._arrays import (AttentionGradients, AttentionOutput, as_cupy, extent, given_outputs, longest_sequence,
+from . import _broadcast, _spine
+from ._arrays import (AttentionGradients, AttentionOutput, as_cupy, element_strides, extent, given_outputs,
                       new_outputs, one_device, output_specs, stream_on)
-from ._arrays import element_strides as _element_strides
-from ._cache import PLANS
-from ._checks import as_block_mask
-from .masks import window_option
-
-
-def _forward_outputs(plan, q, k, v, out):
-    """o, l, m of a forward plan's call: new (one allocation) or the caller's, checked."""
-    specs = plan.cupy_outputs
-    if specs is None:
-        specs = plan.cupy_outputs = output_specs(((plan.o_shape, q.dtype), (plan.stats_shape, np.float32),
-                                                  (plan.stats_shape, np.float32)))
-    if out is None:
-        return new_outputs(*specs)
-    extents = plan.cupy_extents
-    if extents is None:
-        size = q.dtype.itemsize
-        extents = plan.cupy_extents = tuple((name, extent(shape, strides, size)) for name, shape, strides in plan.operands)
-    inputs = [(name, x.data.ptr, e) for (name, e), x in zip(extents, (q, k, v))]
-    return given_outputs(out, ("o", "l", "m"), specs[0], plan.device_id, inputs)
-
 
 # The plan cache's hit path. A call's raw arguments (shapes, byte strides, dtypes, devices,
-# options) find its plan: a call repeating a signature skips even the normalisation of its
+# options) find its entry: a call repeating a signature skips even the normalisation of its
 # arguments. Arguments that cannot be hashed (a boolean array as block_mask, a list as window)
 # take the normalising path every time.
-_recent = PLANS.recent.get
+_recent = _spine.PLANS.recent.get
 
 
-def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
+class _Call(NamedTuple):
+    """The CuPy front end's entry for a signature: its plan, and what this front end made for
+    it once: its outputs' one-allocation layout and its inputs' byte extents (which
+    caller-given outputs must not overlap)."""
+
+    plan: Any  # a ForwardPlan or BackwardPlan; for a decoding call the bound DecodeLaunch
+    specs: tuple  # (specs, bytes) of cuflash._arrays.output_specs
+    extents: tuple  # ((name, (first, end) or None), ...) of the inputs
+    launch: Any = None  # the routed decoding launch of a forward signature, or None
+    given_specs: tuple = ()  # a backward's: the specs of all three gradients, for caller-given ones
+
+
+def _extents(arrays, names) -> tuple:
+    return tuple((name, extent(x.shape, element_strides(x), x.dtype.itemsize)) for name, x in zip(names, arrays))
+
+
+def _forward_call(q, k, v, causal, scale, block_mask, block_size, window, varlen=None) -> _Call:
+    """The entry of a forward signature (varlen: a packed batch's Varlen)."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    _spine.check_dtypes(*dtypes)  # before the devices, as cuflash has always checked them
     device = one_device((q, k, v), "q, k and v")
-    mask = as_block_mask(block_mask, block_size)
-    plan = _plan.forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
-                              _element_strides(v), dtype, device, causal, scale, mask, window_option(window),
-                              (q.data.ptr, k.data.ptr, v.data.ptr))
-    plan.decode = _decode.routes_short_queries(q, k, v, mask)
-    return plan
+    mask = _spine.as_block_mask(block_mask, block_size)
+    problem = _spine.forward_problem((q.shape, k.shape, v.shape), (element_strides(q), element_strides(k),
+                                     element_strides(v)), dtypes, device, causal=causal, scale=scale, mask=mask,
+                                     window=_spine.window_option(window), varlen=varlen)
+    plan = _spine.forward(problem, (q.data.ptr, k.data.ptr, v.data.ptr))
+    launch = _spine.routed(q, k, v, problem)
+    if launch is None:
+        specs = output_specs(((plan.o_shape, q.dtype), (plan.stats_shape, np.float32), (plan.stats_shape, np.float32)))
+    else:
+        specs = launch.output_specs(q.dtype)
+    return _Call(plan, specs, _extents((q, k, v), ("q", "k", "v")), launch)
+
+
+def _checked(call: _Call, out, names, inputs, device_id):
+    """The caller's outputs ``out`` for ``names``, checked against the entry's layout and the
+    inputs' extents (``inputs``: the arrays in the entry's order)."""
+    spans = [(name, x.data.ptr, e) for (name, e), x in zip(call.extents, inputs)]
+    return given_outputs(out, names, call.specs[0][:len(names)], device_id, spans)
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
@@ -101,11 +113,12 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             page_size, d) (vLLM's and FlashInfer's (num_pages, page_size, Hk, d) pass as
             ``.swapaxes(1, 2)``), ``page_table`` int32 (batch, max_pages) and ``seqlens_k`` int32
             (batch,) on the device; ``seqlens_k`` alone gives per-sequence lengths of a dense
-            cache. Causal and window are aligned at each sequence's end. See
-            :func:`cuflash._decode.decode_attention` for the rules on out-of-range values.
-        num_splits: the split-KV decoding path's number of key splits (None: chosen from the
-            shapes and the SM count). Calls with 1-16 queries a head against at least 256 keys
-            (16-bit, head dims up to 128, no block mask) take that path on their own.
+            cache. Causal and window are aligned at each sequence's end. The host never reads
+            them: a length is clamped into [0, capacity] (Nk, or max_pages * page_size), and a
+            page index outside [0, num_pages) masks that page's keys instead of reading them.
+        num_splits: the split-KV decoding path's number of key splits, 1 to 256 (None: chosen
+            from the shapes and the SM count). Calls with 1-16 queries a head against at least
+            64 keys (16-bit, head dims up to 128, no block mask) take that path on their own.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch
             (as flash_attn_varlen_func): q (Hq, total_q, d), k (Hk, total_k, d), v (Hk,
             total_k, dv), and int32 device arrays of length batch + 1; sequence b owns rows
@@ -137,92 +150,129 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
 
     q, k, v = as_cupy(q, "q"), as_cupy(k, "k"), as_cupy(v, "v")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(block_mask, page_table, seqlens_k, num_splits)
+        _spine.check_varlen_options(block_mask, page_table, seqlens_k, num_splits)
         return _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, out)
-    try:
-        key = ("cupy forward", q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype,
-               v.dtype, q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
-               window)
-        plan = _recent(key)
-    except TypeError:  # an unhashable argument
-        key = plan = None
     if page_table is not None or seqlens_k is not None or num_splits is not None:
         if block_mask is not None:
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
                              "(the split-KV decoding path)")
         page_table = None if page_table is None else as_cupy(page_table, "page_table")
         seqlens_k = None if seqlens_k is None else as_cupy(seqlens_k, "seqlens_k")
-        return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                                        seqlens_k=seqlens_k, num_splits=num_splits, out=out)
-    if plan is None:
-        plan = PLANS.get_or_build(key, lambda: _forward_plan(q, k, v, causal, scale, block_mask, block_size, window))
-    if plan.decode:
-        return _decode.run_routed(plan, q, k, v, causal, scale, window, out)
+        return decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
+                                seqlens_k=seqlens_k, num_splits=num_splits, out=out)
+    try:
+        key = ("cupy forward", q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype,
+               v.dtype, q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
+               window)
+        call = _recent(key)
+    except TypeError:  # an unhashable argument
+        key = call = None
+    if call is None:
+        call = _spine.PLANS.get_or_build(key, _forward_call, q, k, v, causal, scale, block_mask, block_size,
+                                         window)
+    plan, specs, _, launch, _ = call
+    if launch is not None:  # routed to the split-KV kernels
+        return _run_routed(call, q, k, v, out)
     stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        o, l, m = _forward_outputs(plan, q, k, v, out)
+        o, l, m = new_outputs(*specs) if out is None else _checked(call, out, ("o", "l", "m"), (q, k, v),
+                                                                    plan.device_id)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream)
     return AttentionOutput(o, l, m)
+
+
+def _run_routed(call: _Call, q, k, v, out) -> AttentionOutput:
+    """A forward signature's call routed to the split-KV kernels (its entry's launch)."""
+    import cupy
+
+    plan = call.plan
+    plan.check(q.data.ptr, k.data.ptr, v.data.ptr)  # the alignment error the forward gives
+    if out is not None:
+        out = _checked(call, out, ("o", "l", "m"), (q, k, v), plan.device_id)
+    stream, current = stream_on(plan.device_id)
+    with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
+        return _run_launch(call.launch, call.specs, q, k, v, None, None, None, out, stream)
 
 
 # ---- packed variable-length batches --------------------------------------------------------
 
 
-def varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q):
-    """cu_seqlens_q / _k as CuPy arrays, checked (dtype, rank, length, q's device); returns them
-    and the number of sequences. Their values are not read."""
+def varlen_boundaries(cu_seqlens_q, cu_seqlens_k):
+    """cu_seqlens_q / _k as CuPy arrays (None where not given), and the metadata (shape, dtype
+    name, device) the spine checks them by. Their values are not read."""
     cu = [None if c is None else as_cupy(c, n) for c, n in ((cu_seqlens_q, "cu_seqlens_q"),
                                                             (cu_seqlens_k, "cu_seqlens_k"))]
-    meta = [None if c is None else (c.shape, _checks.dtype_name(c.dtype), c.data.device_id) for c in cu]
-    num_seqs = _checks.check_cu_seqlens(*meta, q.data.device_id)
-    return cu[0], cu[1], num_seqs
+    meta = [None if c is None else (c.shape, _spine.dtype_name(c.dtype), c.data.device_id) for c in cu]
+    return cu, meta
 
 
 def _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
     """max_seqlen_q / _k checked, or computed from the boundaries where None (a host sync)."""
     import cupy
 
-    max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_q = _spine.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _spine.check_max_seqlen("max_seqlen_k", max_seqlen_k)
     if max_q is None or max_k is None:
         with cupy.cuda.Device(cu_q.data.device_id):
-            max_q = longest_sequence(cu_q, total_q) if max_q is None else max_q
-            max_k = longest_sequence(cu_k, total_k) if max_k is None else max_k
+            max_q = _spine.longest_sequence(cu_q, total_q) if max_q is None else max_q
+            max_k = _spine.longest_sequence(cu_k, total_k) if max_k is None else max_k
     return max_q, max_k
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(cu_seqlens_q, cu_seqlens_k as CuPy arrays, the problem's Varlen), after the checks of
+    the boundaries, of q, k and v's ranks and of the longest lengths."""
+    (cu_q, cu_k), meta = varlen_boundaries(cu_seqlens_q, cu_seqlens_k)
+    num_seqs = _spine.check_cu_seqlens(*meta, q.data.device_id)
+    _spine.check_varlen_shapes(q.shape, k.shape, v.shape)
+    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
+    return cu_q, cu_k, _spine.Varlen(num_seqs, max_q, max_k)
 
 
 def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       out=None):
     import cupy
 
-    cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
-    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
-    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    device = one_device((q, k, v), "q, k and v")
-    plan = _plan.varlen_forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
-                                     _element_strides(v), dtype, device, causal, scale, window_option(window),
-                                     num_seqs, max_q, (q.data.ptr, k.data.ptr, v.data.ptr))
+    cu_q, cu_k, varlen = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    try:
+        key = ("cupy varlen forward", q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype,
+               v.dtype, q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, window, varlen)
+        call = _recent(key)
+    except TypeError:  # an unhashable argument
+        key = call = None
+    if call is None:
+        call = _spine.PLANS.get_or_build(key, _forward_call, q, k, v, causal, scale, None, None, window, varlen)
+    plan = call.plan
     stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        o, l, m = _forward_outputs(plan, q, k, v, out)
+        o, l, m = new_outputs(*call.specs) if out is None else _checked(call, out, ("o", "l", "m"), (q, k, v),
+                                                                         plan.device_id)
     plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream, cu_q.data.ptr,
              cu_k.data.ptr)
     return AttentionOutput(o, l, m)
 
 
-def _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window):
+# ---- the backward ----------------------------------------------------------------------------
+
+
+def _backward_call(arrays, causal, scale, deterministic, block_mask, block_size, window, varlen=None) -> _Call:
     do, q, k, v, o, l, m = arrays
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-    device = one_device(arrays, "all arguments")
-    mask = as_block_mask(block_mask, block_size)
     tensors = (do, q, k, v, o)
-    stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
-    return _plan.backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),
-                               dtype, stats, device, causal, scale, mask, window_option(window), deterministic,
-                               tuple(x.data.ptr for x in tensors))
+    # The dtypes before the devices, as cuflash has always checked them.
+    _spine.check_like_q(_spine.check_dtypes(q.dtype, k.dtype, v.dtype), do=do.dtype, o=o.dtype)
+    device = one_device(arrays, "all arguments")
+    mask = _spine.as_block_mask(block_mask, block_size)
+    problem = _spine.backward_problem(
+        tuple(x.shape for x in tensors), tuple(element_strides(x) for x in tensors), tuple(x.dtype for x in tensors),
+        tuple((x.shape, element_strides(x), x.dtype) for x in (l, m)), device, causal=causal, scale=scale, mask=mask,
+        window=_spine.window_option(window), deterministic=deterministic, varlen=varlen)
+    plan = _spine.backward(problem, tuple(x.data.ptr for x in tensors))
+    specs = output_specs((g.shape, q.dtype) for g in plan.grads if g.kind != "generic")  # the kernels' gradients
+    # of do, q, k, v, o, l, m; and the specs of all three gradients (caller-given ones)
+    extents = _extents(tensors, ("do", "q", "k", "v", "o")) + (("l", (0, l.nbytes) if l.nbytes else None),
+                                                               ("m", (0, m.nbytes) if m.nbytes else None))
+    return _Call(plan, specs, extents, given_specs=output_specs((g.shape, q.dtype) for g in plan.grads)[0])
 
 
 def _sum_keeping(x, axes):
@@ -265,49 +315,44 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
     names = ("do", "q", "k", "v", "o", "l", "m")
     arrays = tuple(as_cupy(x, n) for x, n in zip((do, q, k, v, o, l, m), names))
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(block_mask)
-        return _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k, out)
+        _spine.check_varlen_options(block_mask)
+        cu_q, cu_k, varlen = _varlen(*arrays[1:4], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        cu_seqlens = (cu_q.data.ptr, cu_k.data.ptr)
+    else:
+        varlen, cu_seqlens = None, ()
     try:
         key = ("cupy backward", *((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays), causal, scale,
-               deterministic, block_mask, block_size, window)
-        plan = _recent(key)
+               deterministic, block_mask, block_size, window, varlen)
+        call = _recent(key)
     except TypeError:
-        key = plan = None
-    if plan is None:
-        plan = PLANS.get_or_build(key, lambda: _backward_plan(arrays, causal, scale, deterministic, block_mask,
-                                                              block_size, window))
-    return _run_backward(plan, arrays, out)
+        key = call = None
+    if call is None:
+        call = _spine.PLANS.get_or_build(key, _backward_call, arrays, causal, scale, deterministic, block_mask,
+                                         block_size, window, varlen)
+    return _run_backward(call, arrays, out, *cu_seqlens)
 
 
-def _backward_outputs(plan, arrays, out) -> tuple:
+def _backward_outputs(call: _Call, arrays, out) -> tuple:
     """(dq, dk, dv, or None for a gradient summed by CuPy; the caller's arrays or None)."""
-    q = arrays[1]
-    if plan.cupy_outputs is None:  # the kernels' gradients, in one allocation
-        plan.cupy_outputs = output_specs((g.shape, q.dtype) for g in plan.grads if g.kind != "generic")
+    plan = call.plan
     if out is None:
-        made = iter(new_outputs(*plan.cupy_outputs))
+        made = iter(new_outputs(*call.specs))
         return [None if g.kind == "generic" else next(made) for g in plan.grads], None
-    if plan.cupy_extents is None:  # of do, q, k, v, o, l, m; and the specs of all three gradients
-        size, (l, m) = q.dtype.itemsize, arrays[5:]
-        plan.cupy_extents = (tuple((name, extent(shape, strides, size)) for name, shape, strides in plan.operands)
-                             + (("l", (0, l.nbytes) if l.nbytes else None), ("m", (0, m.nbytes) if m.nbytes else None)),
-                             output_specs((g.shape, q.dtype) for g in plan.grads)[0])
-    extents, specs = plan.cupy_extents
-    inputs = [(name, x.data.ptr, e) for (name, e), x in zip(extents, arrays)]
-    given = given_outputs(out, ("dq", "dk", "dv"), specs, plan.device_id, inputs)
+    spans = [(name, x.data.ptr, e) for (name, e), x in zip(call.extents, arrays)]
+    given = given_outputs(out, ("dq", "dk", "dv"), call.given_specs, plan.device_id, spans)
     return [None if g.kind == "generic" else x for g, x in zip(plan.grads, given)], given
 
 
-def _run_backward(plan, arrays, out, *cu_seqlens):
+def _run_backward(call: _Call, arrays, out, *cu_seqlens):
     """Outputs (unless given) and workspace from CuPy's pool, the plan's launches on CuPy's
     current stream."""
     import cupy
 
+    plan = call.plan
     do, q, k, v, o, l, m = arrays
     stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        grads, given = _backward_outputs(plan, arrays, out)
+        grads, given = _backward_outputs(call, arrays, out)
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = workspace.ptr if workspace is not None else 0
         plan.run(do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
@@ -322,18 +367,115 @@ def _run_backward(plan, arrays, out, *cu_seqlens):
     return AttentionGradients(*grads)
 
 
-def _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, out=None):
-    do, q, k, v, o, l, m = arrays
-    cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
-    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
-    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-    device = one_device(arrays, "all arguments")
-    tensors = (do, q, k, v, o)
-    stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
-    plan = _plan.varlen_backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),
-                                      dtype, stats, device, causal, scale, window_option(window), deterministic,
-                                      num_seqs, max_q, max_k, tuple(x.data.ptr for x in tensors))
-    return _run_backward(plan, arrays, out, cu_q.data.ptr, cu_k.data.ptr)
+# ---- decoding against a KV cache -------------------------------------------------------------
+
+
+def _decode_call(q, k, v, page_table, seqlens_k, causal, scale, window, num_splits) -> _Call:
+    launch = _spine.decode_launch(q, k, v, page_table, seqlens_k, causal=causal, scale=scale, window=window,
+                                  num_splits=num_splits, device=q.device.id)
+    given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), (q, k, v, page_table, seqlens_k))
+             if x is not None]
+    return _Call(launch, launch.output_specs(q.dtype), _extents([x for _, x in given], [n for n, _ in given]))
+
+
+def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
+                     seqlens_k=None, num_splits=None, out=None) -> AttentionOutput:
+    """Attention of a few queries a head against a KV cache, split over the keys.
+
+    Args:
+        q: (batch..., Hq, Nq, d) cupy array, Nq in 1..16; the batch dims (any number, also
+            none) must address as one dim (``x.reshape(B, Hq, Nq, d)`` would be a view).
+        k, v: dense caches (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
+            ``page_table``, paged caches (num_pages, Hk, page_size, d) / (..., dv), page_size
+            a power of two in 16..256. Hk divides Hq: q head h reads k/v head h // (Hq // Hk).
+            float16 or bfloat16, all three alike; d and dv multiples of 8 up to 128. Any
+            strides whose last dim is contiguous and 16-byte aligned: vLLM's (num_pages,
+            page_size, Hk, d) passes as ``.swapaxes(1, 2)`` without a copy.
+        page_table: int32 (batch, max_pages), C-contiguous, on q's device: page of key j of
+            sequence b is page_table[b, j // page_size]. An entry outside [0, num_pages) is
+            never dereferenced: the keys of that page are masked.
+        seqlens_k: int32 (batch,), on q's device: each sequence's key count. Required when
+            paged; optional when dense (default Nk). Read by the kernel, never by the host:
+            a value below 0 counts as 0, one above the capacity (Nk, or max_pages *
+            page_size) as the capacity. A length of 0 gives o = 0, l = 0, m = -inf.
+        causal: query i of Nq sees key j iff j <= len - Nq + i (aligned at each sequence's end).
+        scale: multiplies q k^T; default 1 / sqrt(d).
+        window: (left, right), the same alignment: len - Nq + i - left <= j <= len - Nq + i +
+            right; -1 leaves a side unbounded. Combines with causal.
+        num_splits: None (chosen from the batch, heads, row tiles, capacity and SM count) or
+            1..MAX_DECODE_SPLITS: the key range of each (batch, k/v head) in that many CTAs.
+        out: (o, l, m) to write, as :func:`cuflash.attention` takes it.
+
+    Returns:
+        AttentionOutput(o, l, m): o (batch..., Hq, Nq, dv) in q's dtype, l and m (batch...,
+        Hq, Nq) float32, as :func:`cuflash.attention`: m = max_j S, l = sum_j exp(S - m),
+        S = scale * q k^T over the allowed keys. Runs on CuPy's current stream; with more than
+        one split, a float32 workspace comes from CuPy's memory pool.
+
+    Example (vLLM's cache layout, one token a sequence):
+        >>> k_cache = cupy.zeros((num_pages, page_size, 8, 128), cupy.float16)
+        >>> o, l, m = decode_attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2),
+        ...                            page_table=block_tables, seqlens_k=context_lens)
+    """
+    import cupy
+
+    q, k, v = as_cupy(q, "q"), as_cupy(k, "k"), as_cupy(v, "v")
+    with q.device:
+        arrays = (q, k, v, page_table, seqlens_k)
+        try:
+            key = ("cupy decode", *(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id)
+                                    for x in arrays), causal, scale, window, num_splits)
+            call = _recent(key)
+        except (TypeError, AttributeError):  # unhashable or not arrays: the checks say what is wrong
+            key = call = None
+        if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning again raises the alignment error
+            key = call = None
+        if call is None:
+            call = _spine.PLANS.get_or_build(key, _decode_call, q, k, v, page_table, seqlens_k, causal, scale,
+                                             window, num_splits)
+        if out is not None:
+            out = _checked(call, out, ("o", "l", "m"), [x for x in arrays if x is not None], q.data.device_id)
+        return _run_launch(call.plan, call.specs, q, k, v, page_table, seqlens_k, None, out,
+                           cupy.cuda.get_current_stream().ptr)
+
+
+def run_plan(plan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None, out=None) -> AttentionOutput:
+    """Launch a :func:`plan_decode` plan on CuPy arrays of the shapes and strides it was made
+    for, on CuPy's current stream. ``workspace``: a device buffer (cupy.cuda.MemoryPointer or
+    a float32 array) of at least ``bound_launch(plan, device).workspace_bytes`` bytes, or None
+    to take it from CuPy's pool; ``out``: (o, l, m) to write, or None for new arrays. With both
+    given a call allocates nothing (what a captured CUDA graph needs)."""
+    import cupy
+
+    launch = _spine.bound_launch(plan, q.data.device_id)
+    specs = launch.output_specs(q.dtype) if out is None else None
+    return _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out,
+                       cupy.cuda.get_current_stream().ptr)
+
+
+def _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out, stream):
+    """One call of a bound decoding launch on CuPy arrays, on the current device: outputs and
+    workspace (``specs``: their layout) from CuPy's pool unless given."""
+    import cupy
+
+    if out is None:
+        specs, nbytes = specs
+        if workspace is None:  # one allocation holds them all
+            o, l, m, workspace = new_outputs(specs, nbytes)
+        else:  # o, l and m alone: the layout's first three, up to where the workspace starts
+            o, l, m = new_outputs(specs[:3], specs[3][2])
+    else:
+        o, l, m = out
+    ws = 0
+    if launch.workspace_bytes:
+        if workspace is None:
+            workspace = cupy.cuda.alloc(launch.workspace_bytes)
+        elif isinstance(workspace, cupy.ndarray) and (not workspace.flags.c_contiguous
+                                                       or workspace.nbytes < launch.workspace_bytes):
+            raise ValueError(f"workspace must be a contiguous array of at least {launch.workspace_bytes} bytes, "
+                             f"got shape {workspace.shape}, dtype {workspace.dtype}")
+        ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
+    launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
+               0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
+               ws, stream)
+    return AttentionOutput(o, l, m)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from . import _checks, _config, _constants, _driver, _launch, _params, _tma, _variants
 from ._arrays import align
 from ._broadcast import broadcast_layout
+from ._driver import Context
 
 class GradientOut(NamedTuple):
     """How one gradient (dq, dk or dv) is finished.
@@ -31,16 +32,17 @@ class GradientOut(NamedTuple):
 
 
 class BackwardPlan:
-    """One backward signature's launches: ``run(do, q, k, v, o, l, m, dq, dk, dv, workspace,
-    stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes)."""
+    """One backward problem's launches: ``run(do, q, k, v, o, l, m, dq, dk, dv, workspace,
+    stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes; and
+    a varlen batch's cu_seqlens_q, cu_seqlens_k)."""
 
-    def __init__(self, device_id, dtype, operands, grads, out_lead, workspace_bytes=0, delta_offset=0,
-                 zero=None, kernels=(), fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False, maps=None,
-                 fallback=None):
-        self.device_id = device_id
-        self.dtype = dtype
-        self.operands = operands
-        self.vectors = dtype != "float32"
+    def __init__(self, problem, grads, out_lead, workspace_bytes=0, delta_offset=0, zero=None, kernels=(),
+                 fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False, maps=None, fallback=None):
+        self.problem = problem
+        self.device_id = problem.device
+        self.dtype = problem.dtype
+        self.operands = problem.operands
+        self.vectors = problem.dtype != "float32"
         self.grads = grads  # GradientOut of dq, dk, dv
         self.out_lead = out_lead
         self.workspace_bytes = workspace_bytes  # lse2 at offset 0, delta at delta_offset, accumulators
@@ -52,11 +54,8 @@ class BackwardPlan:
         self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
         self.maps = maps  # the wgmma key pass's tensor maps (q, k, v, dO), or None
         self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
-        self.varlen = False  # the launches read cu_seqlens_q / cu_seqlens_k (run's last arguments)
-        # The CuPy front end's, made at its first call: the gradients' one-allocation layout; the
-        # byte extents of the inputs and the specs of caller-given gradients.
-        self.cupy_outputs = self.cupy_extents = None
-        self.ctx = _driver.device_context(device_id)
+        self.varlen = problem.varlen is not None  # the launches read cu_seqlens_q / _k (run's last arguments)
+        self.ctx = _driver.device_context(problem.device)
         self.lock = threading.Lock()
 
     def check(self, do, q, k, v, o):
@@ -69,7 +68,7 @@ class BackwardPlan:
         self.check(do, q, k, v, o)
         with self.lock:
             if self.maps is None or self.maps.bind((q, k, v, do)):
-                with _driver.Context(self.ctx) as drv:
+                with Context(self.ctx) as drv:
                     self._launch(drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q,
                                  cu_seqlens_k)
                 return
@@ -123,7 +122,7 @@ def _backward_block(nq_pad, do_lead, o_lead, strides, dkv_in_dtype, zero_dq_acc=
                               strides[4][-2], int(dkv_in_dtype), int(zero_dq_acc), head_group))
 
 
-def _reduce_kernels(grads, out_lead, dtype, device_id):
+def _reduce_kernels(grads, out_lead, dtype, device_id) -> list:
     """(Kernel, gradient index) of each gradient summed over broadcast or grouped heads on the GPU."""
     reduces = []
     for index, grad in enumerate(grads):
@@ -139,85 +138,104 @@ def _reduce_kernels(grads, out_lead, dtype, device_id):
     return reduces
 
 
-def _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
-                             deterministic, ptrs, tma=True):
-    """shapes / strides (elements): do, q, k, v, o; stats: ((shape, strides, dtype name) of l, m);
-    ptrs: theirs."""
-    do_shape, q_shape, k_shape, v_shape, o_shape = shapes
-    names = ("do", "q", "k", "v", "o")
-    operands = tuple(zip(names, shapes, strides))
+def build_backward(problem, ptrs) -> BackwardPlan:
+    """Every check and choice of a backward problem (cuflash/_problem.py: dense, block-sparse or
+    a packed varlen batch), bound into its plan; ``ptrs`` (do, q, k, v, o) of the call that asks
+    first check the alignment and encode the tensor maps' templates."""
+    do_shape, q_shape, k_shape, v_shape, o_shape = problem.shapes
+    varlen, strides = problem.varlen, problem.strides
+    if varlen is not None:
+        _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
     nq, nk, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
-    for name, shape, st in operands:
+    for name, shape, st in problem.operands:
         _checks.check_last_dim_contiguous(name, shape, st)
-    qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
-    out_lead = broadcast_layout(*qkv).out_lead_shape
+    out_lead = broadcast_layout(*problem.qkv).out_lead_shape
     out_shape = out_lead + (nq, dv)
     _check_forward_outputs(do_shape, o_shape, out_shape)
-    mask, window = _checks.check_sparsity(mask, None, window, nq, nk, out_lead)
-    layout = _checks.layout_with_mask(qkv, ((do_shape, strides[0]), (o_shape, strides[4])), mask)
-    _check_stats(stats, out_shape[:-1])
-    scale = _checks.resolve_scale(scale, d)
-    num_batch = math.prod(layout.lead_shape)
+    mask, window = _checks.check_sparsity(problem.mask, None, problem.window, nq, nk, out_lead)
+    layout = _checks.layout_with_mask(problem.qkv, ((do_shape, strides[0]), (o_shape, strides[4])), mask)
+    _check_stats(problem.stats, out_shape[:-1])
+    scale = _checks.resolve_scale(problem.scale, d)
+    heads = math.prod(layout.lead_shape)
+    slices = heads * (varlen.num_seqs if varlen is not None else 1)  # a varlen slice: (sequence, head)
     grad_shapes = (q_shape, k_shape, v_shape)
-    if num_batch == 0 or nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
+    if slices == 0 or nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
         grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
-        return BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
-    _launch.check_vector_operands(operands, ptrs, dtype)
-    cc = _driver.compute_capability(device_id)
-    kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic, sparse=mask is not None,
-                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), tma=tma, nk=nk,
-                                    slices=num_batch)
-    nq_pad = -(-nq // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
-    kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, num_batch,
-                               lambda cols: -(-nk // cols), device_id)
+        return BackwardPlan(problem, grads, out_lead, zero_grads=True)
+    _launch.check_vector_operands(problem.operands, ptrs, problem.dtype)
+    # The rows a slice's grid covers: all of them, or the longest sequence the caller announces.
+    longest_q, longest_k = (nq, nk) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+    grouped = layout.kv_group > 1 and all(tuple(s[:-2]) == _grouped_lead(out_lead, layout.kv_group)
+                                          for s in grad_shapes[1:])
+    cc = _driver.compute_capability(problem.device)
+    choice = _config.backward_choice(
+        problem.dtype, d, dv, problem.causal, problem.deterministic, hopper=_config.is_hopper(cc),
+        wgmma=_config.has_wgmma(cc), sparse=mask is not None, varlen=varlen is not None, nk=nk, slices=slices,
+        kv_group=layout.kv_group if grouped else 1, key_tiles=lambda cols: _launch.grid_tiles(longest_k, nk, cols),
+        sm_count=_driver.sm_count(problem.device))
+    # The backward's statistics: per slice, its query rows padded to STATS_ROW_MULTIPLE (varlen:
+    # each sequence's, at the offsets kernels/slice.cuh gives).
+    r = _constants.STATS_ROW_MULTIPLE
+    nq_pad = -(-nq // r) * r if varlen is None else _launch.varlen_stats_rows(nq, varlen.num_seqs)
+    stats_rows = nq_pad if varlen is None else -(-min(longest_q, nq) // r) * r  # the preprocess's
+    geometry = _launch.Geometry(problem, nq, nk, d, dv, layout, out_lead, scale, mask, window, slices, longest_q,
+                                longest_k, heads, nq_pad, stats_rows)
+    return _bound_backward(geometry, choice, ptrs)
+
+
+def _bound_backward(g: _launch.Geometry, choice, ptrs, kernels=None) -> BackwardPlan:
+    """The plan of ``choice`` (its kernels, or those given: its cp.async form)."""
+    problem, kplan, group = g.problem, kernels or choice.kernels, choice.head_group
+    strides, device, varlen = problem.strides, problem.device, problem.varlen
     row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
-    do_lead, o_lead = layout.extra_strides[:2]
-
-    @functools.lru_cache(maxsize=1)
-    def fallback():  # the cp.async form, for inputs the copy engine cannot map
-        return _backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, mask, window,
-                                        deterministic, ptrs, tma=False)
-
-    maps = _backward_maps(kplan, nq, nk, d, layout, row_strides, strides[0][-2], ptrs)
-    if maps is not None and not maps.ok:
-        return fallback()
-
-    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, num_batch, nq_pad,
-                                               group)
+    maps = _backward_maps(kplan, g.nq, g.nk, g.d, g.layout, row_strides, strides[0][-2], ptrs)
+    if maps is not None and not maps.ok:  # the copy engine cannot map these inputs
+        return _bound_backward(g, choice, ptrs, choice.without_tensor_maps)
+    grad_shapes = problem.shapes[1:4]
+    grads, delta_offset, end = gradient_layout(grad_shapes, g.out_lead, g.layout.kv_group, problem.dtype, g.heads,
+                                               g.nq_pad, group)
     kv_direct = grads[1].kind == "direct"
-    mask_strides = layout.extra_strides[-1] if mask is not None else ()
-    # Atomic dQ adds into a zeroed accumulator: the preprocess, which visits every query row
-    # first, zeroes it (one launch fewer than a memset).
-    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", kplan.atomic_dq,
-                                group)
+    # Atomic dQ adds into a zeroed accumulator: a dense batch's preprocess, which visits every
+    # query row first, zeroes it (BwdParams.zero_dq_acc: one launch fewer than a memset); a
+    # varlen batch's is cleared by a memset.
+    zero_in_preprocess = kplan.atomic_dq and varlen is None
+    zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq and varlen is not None else None
+    do_lead, o_lead = g.layout.extra_strides[:2]
+    bwd_block = _backward_block(g.nq_pad, do_lead, o_lead, strides, kv_direct and problem.dtype != "float32",
+                                zero_in_preprocess, group)
+    mask_strides = g.layout.extra_strides[-1] if g.mask is not None else ()
+    num_seqs = varlen.num_seqs if varlen is not None else 0
     fwd_blocks, kernels = [], []
 
-    def add(variant, grid_x, transpose=False, slices=num_batch):
-        tiled = mask if variant is not kplan.preprocess else None  # the preprocess walks no tiles
-        with _driver.device(device_id):
-            sparsity, lists = _launch.sparsity_fields(tiled, mask_strides, nq, nk, variant, transpose=transpose,
-                                              causal=causal, window=window)
-        block = _driver.words(_launch.forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))
+    def add(variant, grid_x, transpose=False, slices=g.slices):
+        tiled = g.mask if variant is not kplan.preprocess else None  # the preprocess walks no tiles
+        with _driver.device(device):
+            sparsity, lists = _launch.sparsity_fields(tiled, mask_strides, g.nq, g.nk, variant, transpose=transpose,
+                                                      causal=problem.causal, window=g.window)
+        block = _driver.words(_launch.forward_params(g.nq, g.nk, g.d, g.dv, g.layout, row_strides, g.scale, sparsity,
+                                                     num_seqs))
         fwd_blocks.append(block)
-        kernel = _driver.Kernel(variant, device_id, _launch.slice_grid(grid_x, slices), _backward_params(variant, block, bwd_block, maps),
-                        d, dv)
+        kernel = _driver.Kernel(variant, device, _launch.slice_grid(grid_x, slices),
+                                _backward_params(variant, block, bwd_block, maps), g.d, g.dv)
         kernel.lists = lists
         kernels.append(kernel)
 
-    add(kplan.preprocess, -(-nq_pad // kplan.preprocess.rows_a_cta(dv)))
+    add(kplan.preprocess, max(1, -(-g.stats_rows // kplan.preprocess.rows_a_cta(g.dv))))
     for variant in kplan.key_passes:  # one CTA per key tile (and group of heads): the transposed lists
-        key_tiles = -(-nk // variant.block_cols)
+        key_tiles = _launch.grid_tiles(g.longest_k, g.nk, variant.block_cols)
         if getattr(variant, "persistent", False):  # one CTA an SM walks every (key tile, slice)
-            add(variant, min(key_tiles * num_batch, _driver.sm_count(device_id)), transpose=True, slices=1)
+            add(variant, min(key_tiles * g.slices, _driver.sm_count(device)), transpose=True, slices=1)
         else:
-            add(variant, key_tiles, transpose=True, slices=num_batch // group)
+            add(variant, key_tiles, transpose=True, slices=g.slices // group)
     if kplan.dq is not None:  # one CTA per query tile
-        add(kplan.dq, -(-nq // kplan.dq.block_rows))
-
-    reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
-    return BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, None, tuple(kernels),
-                        tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
-                        fallback=fallback if maps is not None else None)
+        add(kplan.dq, _launch.grid_tiles(g.longest_q, g.nq, kplan.dq.block_rows))
+    fallback = None
+    if maps is not None:  # the cp.async plan, for pointers the copy engine refuses; built on first need
+        fallback = functools.lru_cache(maxsize=1)(lambda: _bound_backward(g, choice, ptrs,
+                                                                          choice.without_tensor_maps))
+    return BackwardPlan(problem, tuple(grads), g.out_lead, end, delta_offset, zero, tuple(kernels), tuple(fwd_blocks),
+                        bwd_block, tuple(_reduce_kernels(grads, g.out_lead, problem.dtype, device)), maps=maps,
+                        fallback=fallback)
 
 
 def _backward_maps(kplan, nq, nk, d, layout, row_strides, do_row_stride, ptrs):
@@ -244,20 +262,6 @@ def _backward_params(variant, block, bwd_block, maps):
 def _grouped_lead(out_lead, group) -> tuple:
     """The leading dims of k / v grouped ``group`` query heads a k/v head over the output's."""
     return out_lead[:-1] + (out_lead[-1] // group,) if group > 1 else out_lead
-
-
-def _head_group(kernels_for, grad_shapes, out_lead, kv_group, num_batch, key_tiles, device_id) -> tuple:
-    """(the kernels, the query heads a wgmma key-pass CTA walks): kernels_for(grouped=...) is
-    _config.backward_plan with the call's arguments; the group is _config.backward_head_group's
-    where k and v are grouped over q's heads and broadcast nowhere else, else 1.
-    key_tiles(block_cols): the key pass's grid along x."""
-    kplan = kernels_for()
-    key_pass = kplan.key_passes[0]
-    if not (isinstance(key_pass, _variants.HopperBackward) and key_pass.atomic_dq and not key_pass.sparse
-            and kv_group > 1 and all(tuple(s[:-2]) == _grouped_lead(out_lead, kv_group) for s in grad_shapes[1:])):
-        return kplan, 1
-    group = _config.backward_head_group(kv_group, num_batch, key_tiles(key_pass.block_cols), _driver.sm_count(device_id))
-    return (kernels_for(grouped=True) if group > 1 else kplan), group
 
 
 def gradient_layout(grad_shapes, out_lead, kv_group, dtype, num_batch, nq_pad, head_group=1):
@@ -305,73 +309,3 @@ def _is_c_contiguous(shape, strides) -> bool:
             return False
         step *= n
     return True
-
-
-def _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window, deterministic,
-                                    num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=True):
-    """As _backward_signature_plan, for a varlen call (shapes: do, q, k, v, o)."""
-    do_shape, q_shape, k_shape, v_shape, o_shape = shapes
-    names = ("do", "q", "k", "v", "o")
-    operands = tuple(zip(names, shapes, strides))
-    _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
-    total_q, total_k, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
-    for name, shape, st in operands:
-        _checks.check_last_dim_contiguous(name, shape, st)
-    qkv = (q_shape, strides[1], k_shape, strides[2], v_shape, strides[3])
-    out_lead = broadcast_layout(*qkv).out_lead_shape
-    out_shape = out_lead + (total_q, dv)
-    _check_forward_outputs(do_shape, o_shape, out_shape)
-    window = _checks.check_sparsity(None, None, window, total_q, total_k, out_lead)[1]
-    layout = broadcast_layout(*qkv, extras=((do_shape, strides[0]), (o_shape, strides[4])))
-    _check_stats(stats, out_shape[:-1])
-    scale = _checks.resolve_scale(scale, d)
-    heads = math.prod(layout.lead_shape)
-    grad_shapes = (q_shape, k_shape, v_shape)
-    if heads == 0 or total_q == 0 or total_k == 0 or num_seqs == 0:  # no query sees a key
-        grads = tuple(GradientOut("direct", 0, s, 1, s) for s in grad_shapes)
-        plan = BackwardPlan(device_id, dtype, operands, grads, out_lead, zero_grads=True)
-        plan.varlen = True
-        return plan
-    _launch.check_vector_operands(operands, ptrs, dtype)
-    cc = _driver.compute_capability(device_id)
-    kernels_for = functools.partial(_config.backward_plan, dtype, d, dv, causal, deterministic,
-                                    hopper=_config.is_hopper(cc), wgmma=_config.has_wgmma(cc), varlen=True, tma=tma)
-    nq_pad = _launch.varlen_stats_rows(total_q, num_seqs)  # per head
-    kplan, group = _head_group(kernels_for, grad_shapes, out_lead, layout.kv_group, heads * num_seqs,
-                               lambda cols: _launch.varlen_grid_x(max_seqlen_k, total_k, cols), device_id)
-    row_strides = (strides[1][-2], strides[2][-2], strides[3][-2])
-
-    @functools.lru_cache(maxsize=1)
-    def fallback():  # the cp.async form, for inputs the copy engine cannot map
-        return _varlen_backward_signature_plan(shapes, strides, dtype, stats, device_id, causal, scale, window,
-                                               deterministic, num_seqs, max_seqlen_q, max_seqlen_k, ptrs, tma=False)
-
-    maps = _backward_maps(kplan, total_q, total_k, d, layout, row_strides, strides[0][-2], ptrs)
-    if maps is not None and not maps.ok:
-        return fallback()
-    grads, delta_offset, end = gradient_layout(grad_shapes, out_lead, layout.kv_group, dtype, heads, nq_pad, group)
-    kv_direct = grads[1].kind == "direct"
-    zero = 4 * math.prod(grads[0].acc_shape) if kplan.atomic_dq else None
-    do_lead, o_lead = layout.extra_strides[:2]
-    bwd_block = _backward_block(nq_pad, do_lead, o_lead, strides, kv_direct and dtype != "float32", head_group=group)
-    sparsity = (*(window or _checks.NO_WINDOW), *_launch.DENSE_TILES)
-    fwd_blocks, kernels = [], []
-
-    def add(variant, grid_x, slices=heads * num_seqs):
-        block = _driver.words(_launch.forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs))
-        fwd_blocks.append(block)
-        kernels.append(_driver.Kernel(variant, device_id, _launch.slice_grid(grid_x, slices),
-                              _backward_params(variant, block, bwd_block, maps), d, dv))
-
-    stats_rows = -(-min(max_seqlen_q, total_q) // _constants.STATS_ROW_MULTIPLE) * _constants.STATS_ROW_MULTIPLE
-    add(kplan.preprocess, max(1, -(-stats_rows // kplan.preprocess.rows_a_cta(dv))))
-    for variant in kplan.key_passes:
-        add(variant, _launch.varlen_grid_x(max_seqlen_k, total_k, variant.block_cols), slices=heads * num_seqs // group)
-    if kplan.dq is not None:
-        add(kplan.dq, _launch.varlen_grid_x(max_seqlen_q, total_q, kplan.dq.block_rows))
-    reduces = _reduce_kernels(grads, out_lead, dtype, device_id)
-    plan = BackwardPlan(device_id, dtype, operands, tuple(grads), out_lead, end, delta_offset, zero, tuple(kernels),
-                        tuple(fwd_blocks), bwd_block, tuple(reduces), maps=maps,
-                        fallback=fallback if maps is not None else None)
-    plan.varlen = True
-    return plan

@@ -46,18 +46,20 @@ class PlanCache:
                     self._insert(key, entry)
         return entry
 
-    def get_or_build(self, key, build):
-        """The entry under ``key``, made by ``build()`` (once, under the lock) if there is none;
-        a key of None (a call whose arguments cannot be hashed) builds every time."""
+    def get_or_build(self, key, build, *args):
+        """The entry under ``key``, made by ``build(*args)`` (once, under the lock) if there is
+        none; a key of None (a call whose arguments cannot be hashed) builds every time. (The
+        arguments, not a closure: a lambda in a front end's call would make every local it
+        reads a cell, which costs that call's hit path too.)"""
         if key is None:
-            return build()
+            return build(*args)
         entry = self.get(key)
         if entry is None:
             with self._lock:
                 entry = self.get(key)
                 if entry is None:
                     generation = _config.GENERATION[0]
-                    entry = build()
+                    entry = build(*args)
                     if generation == _config.GENERATION[0]:  # else built under choices no longer in force
                         self._insert(key, entry)
         return entry

@@ -21,8 +21,8 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _arrays, _checks, _config, _constants, _driver, _launch, _params, _tiles, _variants
-from ._arrays import AttentionOutput
 from ._cache import PLANS
+from ._driver import Context
 from .masks import window_option
 
 _recent = PLANS.recent.get  # the plan cache's hit path (cuflash/_cache.py)
@@ -127,7 +127,7 @@ def _check_index_array(x, name, shape, device_id):
         raise ValueError(f"{name} is on device {x.device.id}, q on device {device_id}")
 
 
-def _check_num_splits(num_splits):
+def check_num_splits(num_splits):
     if num_splits is None:
         return None
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
@@ -249,7 +249,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
                          f"the decoding kernels count")
     scale = _checks.resolve_scale(scale, layout["d"])
     window_left, window_right = _band(causal, window)
-    forced = _check_num_splits(num_splits)
+    forced = check_num_splits(num_splits)
 
     rows = layout["group"] * layout["nq"]
     num_bh = batch * layout["kv_heads"]
@@ -286,83 +286,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
     )
 
 
-# ---- the call -------------------------------------------------------------------------------
-
-
-def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
-                     seqlens_k=None, num_splits=None, out=None) -> AttentionOutput:
-    """Attention of a few queries a head against a KV cache, split over the keys.
-
-    Args:
-        q: (batch..., Hq, Nq, d) cupy array, Nq in 1..16; the batch dims (any number, also
-            none) must address as one dim (``x.reshape(B, Hq, Nq, d)`` would be a view).
-        k, v: dense caches (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
-            ``page_table``, paged caches (num_pages, Hk, page_size, d) / (..., dv), page_size
-            a power of two in 16..256. Hk divides Hq: q head h reads k/v head h // (Hq // Hk).
-            float16 or bfloat16, all three alike; d and dv multiples of 8 up to 128. Any
-            strides whose last dim is contiguous and 16-byte aligned: vLLM's (num_pages,
-            page_size, Hk, d) passes as ``.swapaxes(1, 2)`` without a copy.
-        page_table: int32 (batch, max_pages), C-contiguous, on q's device: page of key j of
-            sequence b is page_table[b, j // page_size]. An entry outside [0, num_pages) is
-            never dereferenced: the keys of that page are masked.
-        seqlens_k: int32 (batch,), on q's device: each sequence's key count. Required when
-            paged; optional when dense (default Nk). Read by the kernel, never by the host:
-            a value below 0 counts as 0, one above the capacity (Nk, or max_pages *
-            page_size) as the capacity. A length of 0 gives o = 0, l = 0, m = -inf.
-        causal: query i of Nq sees key j iff j <= len - Nq + i (aligned at each sequence's end).
-        scale: multiplies q k^T; default 1 / sqrt(d).
-        window: (left, right), the same alignment: len - Nq + i - left <= j <= len - Nq + i +
-            right; -1 leaves a side unbounded. Combines with causal.
-        num_splits: None (chosen from the batch, heads, row tiles, capacity and SM count) or
-            1..MAX_DECODE_SPLITS: the key range of each (batch, k/v head) in that many CTAs.
-        out: (o, l, m) to write, as :func:`cuflash.attention` takes it.
-
-    Returns:
-        AttentionOutput(o, l, m): o (batch..., Hq, Nq, dv) in q's dtype, l and m (batch...,
-        Hq, Nq) float32, as :func:`cuflash.attention`: m = max_j S, l = sum_j exp(S - m),
-        S = scale * q k^T over the allowed keys. Runs on CuPy's current stream; with more than
-        one split, a float32 workspace comes from CuPy's memory pool.
-
-    Example (vLLM's cache layout, one token a sequence):
-        >>> k_cache = cupy.zeros((num_pages, page_size, 8, 128), cupy.float16)
-        >>> o, l, m = decode_attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2),
-        ...                            page_table=block_tables, seqlens_k=context_lens)
-    """
-    import cupy
-
-    q, k, v = _arrays.as_cupy(q, "q"), _arrays.as_cupy(k, "k"), _arrays.as_cupy(v, "v")
-    with q.device:
-        device_id = q.device.id
-        arrays = (q, k, v, page_table, seqlens_k)
-        try:
-            key = ("cupy decode", *(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id)
-                                    for x in arrays), causal, scale, window, num_splits)
-            launch = _recent(key)
-        except (TypeError, AttributeError):  # unhashable or not arrays: the checks say what is wrong
-            key = launch = None
-        if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning again raises the alignment error
-            key = launch = None
-        if launch is None:
-            launch = PLANS.get_or_build(key, lambda: bound_launch(plan_decode(
-                q, k, v, causal=causal, scale=scale, window=window, page_table=page_table, seqlens_k=seqlens_k,
-                num_splits=num_splits, sm_count=_driver.sm_count(device_id)), device_id))
-        if out is not None:
-            out = _checked_out(launch, out, q, k, v, page_table, seqlens_k)
-        return _run_launch(launch, q, k, v, page_table, seqlens_k, None, out, cupy.cuda.get_current_stream().ptr)
-
-
-def _checked_out(launch, out, *arrays):
-    """The caller's (o, l, m) of a decoding call, checked like the forward's (cuflash._api)
-    against q, k, v (and page_table, seqlens_k where given), whose byte extents follow from
-    the launch's signature and are kept on it."""
-    given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), arrays) if x is not None]
-    extents = launch.input_extents
-    if extents is None:
-        extents = launch.input_extents = tuple(_arrays.extent(x.shape, _element_strides(x, name), x.dtype.itemsize)
-                                               for name, x in given)
-    inputs = [(name, x.data.ptr, e) for (name, x), e in zip(given, extents)]
-    return _arrays.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
-                              arrays[0].data.device_id, inputs)
+# ---- the bound launch ---------------------------------------------------------------------
 
 
 class DecodeLaunch:
@@ -392,18 +316,13 @@ class DecodeLaunch:
             self.combine = _driver.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
         self.ctx = _driver.device_context(device_id)
         self.lock = threading.Lock()
-        self._outputs = {}  # q's dtype -> cuflash._arrays.output_specs of o, l, m and the workspace
-        self.input_extents = None  # of the inputs a call with out= checks it against (_checked_out)
 
     def output_specs(self, dtype):
-        """(specs, bytes) of o, l, m and the splits' workspace (uint8) in one allocation."""
-        specs = self._outputs.get(dtype)
-        if specs is None:
-            stats = self.plan.out_shape[:-1]
-            specs = self._outputs[dtype] = _arrays.output_specs((
-                (self.plan.out_shape, dtype), (stats, np.float32), (stats, np.float32),
-                ((self.workspace_bytes,), np.uint8)))
-        return specs
+        """(specs, bytes) of o (in ``dtype``, q's), l, m and the splits' workspace (uint8) in one
+        allocation (cuflash._arrays.output_specs)."""
+        stats = self.plan.out_shape[:-1]
+        return _arrays.output_specs(((self.plan.out_shape, dtype), (stats, np.float32), (stats, np.float32),
+                                     ((self.workspace_bytes,), np.uint8)))
 
     def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
         if self.plan.total_rows == 0:
@@ -411,7 +330,7 @@ class DecodeLaunch:
         ws = (0, 0, 0)
         if self.combine is not None:
             ws = (workspace, workspace + self.ws_l_offset, workspace + self.ws_m_offset)
-        with self.lock, _driver.Context(self.ctx) as drv:
+        with self.lock, Context(self.ctx) as drv:
             self.kernel.params[0][0:11] = (q, k, v, o, l, m, *ws, page_table, seqlens)
             self.kernel.launch(drv, stream)
             if self.combine is not None:
@@ -422,66 +341,8 @@ class DecodeLaunch:
 def bound_launch(plan: DecodePlan, device_id: int) -> DecodeLaunch:
     """The plan's :class:`DecodeLaunch` on ``device_id``, built once: kept with the plan, so
     that the plan's id is not reused while the entry lives."""
-    return PLANS.get_or_build(("decode", id(plan), device_id), lambda: (plan, DecodeLaunch(plan, device_id)))[1]
+    return PLANS.get_or_build(("decode", id(plan), device_id), _kept_launch, plan, device_id)[1]
 
 
-def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,
-             out=None) -> AttentionOutput:
-    """Launch a :func:`plan_decode` plan on CuPy arrays of the shapes and strides it was made
-    for, on CuPy's current stream. ``workspace``: a device buffer (cupy.cuda.MemoryPointer or
-    a float32 array) of at least ``bound_launch(plan, device).workspace_bytes`` bytes, or None
-    to take it from CuPy's pool; ``out``: (o, l, m) to write, or None for new arrays. With both
-    given a call allocates nothing (what a captured CUDA graph needs)."""
-    import cupy
-
-    return _run_launch(bound_launch(plan, q.data.device_id), q, k, v, page_table, seqlens_k, workspace, out,
-                       cupy.cuda.get_current_stream().ptr)
-
-
-def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace, out, stream):
-    """One call of a bound launch on CuPy arrays, on the current device: outputs and workspace
-    from CuPy's pool unless given."""
-    import cupy
-
-    if out is None:
-        specs, nbytes = launch.output_specs(q.dtype)
-        if workspace is None:  # one allocation holds them all
-            o, l, m, workspace = _arrays.new_outputs(specs, nbytes)
-        else:  # o, l and m alone: the layout's first three, up to where the workspace starts
-            o, l, m = _arrays.new_outputs(specs[:3], specs[3][2])
-    else:
-        o, l, m = out
-    ws = 0
-    if launch.workspace_bytes:
-        if workspace is None:
-            workspace = cupy.cuda.alloc(launch.workspace_bytes)
-        elif isinstance(workspace, cupy.ndarray) and (not workspace.flags.c_contiguous
-                                                       or workspace.nbytes < launch.workspace_bytes):
-            raise ValueError(f"workspace must be a contiguous array of at least {launch.workspace_bytes} bytes, "
-                             f"got {_shape_text(workspace)}")
-        ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
-    launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
-               0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
-               ws, stream)
-    return AttentionOutput(o, l, m)
-
-
-def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> AttentionOutput:
-    """A call of :func:`cuflash.attention` without decoding arguments that its forward plan
-    routes here (``forward_plan.decode``, see :func:`routes_short_queries`): the bound launch is
-    kept on that plan, so a repeated call looks nothing up again."""
-    import contextlib
-
-    import cupy
-
-    launch = forward_plan.decode_launch
-    if launch is None or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning raises alignment errors
-        device_id = q.data.device_id
-        with q.device:
-            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_driver.sm_count(device_id))
-        launch = forward_plan.decode_launch = bound_launch(plan, device_id)
-    if out is not None:
-        out = _checked_out(launch, out, q, k, v)
-    stream, current = _arrays.stream_on(forward_plan.device_id)
-    with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):
-        return _run_launch(launch, q, k, v, None, None, None, out, stream)
+def _kept_launch(plan: DecodePlan, device_id: int) -> tuple:
+    return plan, DecodeLaunch(plan, device_id)

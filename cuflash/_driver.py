@@ -17,10 +17,12 @@ from . import _loader, _tma
 
 # ---- the driver ------------------------------------------------------------------------------
 
+
 class _Driver:
     """The driver calls a plan makes. Launches, memsets and the current-context query go through
-    CuPy's compiled bindings (3.5 us a launch on the H200's host, against 5.0 us through ctypes);
-    pushing and popping a context, which CuPy does not bind, through ctypes."""
+    CuPy's compiled bindings (3.5 us a launch on an H200 machine, against 5.0 us through ctypes:
+    bench/NOTES.md, Host time and plans); pushing and popping a context, which CuPy does not
+    bind, through ctypes."""
 
     def __init__(self):
         from cupy_backends.cuda.api import driver, runtime

@@ -4,39 +4,33 @@ shared memory, parameter blocks, block-sparse tile lists and tensor maps), bound
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
 
 from . import _checks, _config, _driver, _launch, _params, _tma, _variants
 from ._broadcast import broadcast_layout
+from ._driver import Context
+
 
 class ForwardPlan:
-    """One forward signature's launch: ``run(q, k, v, o, l, m, stream)`` on raw pointers."""
+    """One forward problem's launch: ``run(q, k, v, o, l, m, stream)`` on raw pointers (and a
+    varlen batch's cu_seqlens_q, cu_seqlens_k)."""
 
-    def __init__(self, device_id, dtype, o_shape, stats_shape, operands, kernel=None, maps=None,
-                 fallback=None):
-        self.device_id = device_id
-        self.dtype = dtype
+    def __init__(self, problem, o_shape, stats_shape, kernel=None, maps=None, fallback=None):
+        self.problem = problem
+        self.device_id = problem.device
+        self.dtype = problem.dtype
         self.o_shape, self.stats_shape = o_shape, stats_shape
         self.stats_rows = math.prod(stats_shape)  # of l (and of m)
-        self.operands = operands  # ((name, shape, element strides), ...) of q, k, v for errors
-        self.vectors = dtype != "float32"  # 16-byte vector loads need 16-byte aligned pointers
+        self.operands = problem.operands  # ((name, shape, element strides), ...) of q, k, v for errors
+        self.vectors = problem.dtype != "float32"  # 16-byte vector loads need 16-byte aligned pointers
         self.kernel = kernel  # None: nothing to compute (no query or no slice)
         self.maps = maps
         self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
-        self.ctx = _driver.device_context(device_id)
+        self.ctx = _driver.device_context(problem.device)
         self.lock = threading.Lock()
-        self.decode = False  # the CuPy front end routes this signature to cuflash/_decode.py
-        self.decode_launch = None  # ... on this bound launch (cuflash._decode.run_routed)
-        # (dO strides, dO dtype, deterministic) -> BackwardPlan, for the torch adapter's eager
-        # backward of a call this plan ran: the rest of the backward's signature follows from it.
-        self.backward_plans: dict = {}
-        self.varlen = False  # the launch reads cu_seqlens_q / cu_seqlens_k (run's last arguments)
-        # The CuPy front end's, made at its first call: the outputs' one-allocation layout, and
-        # the byte extents of q, k and v (against which caller-given outputs are checked).
-        self.cupy_outputs = self.cupy_extents = None
+        self.varlen = problem.varlen is not None  # the launch reads cu_seqlens_q / cu_seqlens_k (run's last arguments)
 
     @property
     def variant(self):
@@ -61,106 +55,70 @@ class ForwardPlan:
             if self.varlen:
                 word = _params.CU_SEQLENS_WORD
                 kernel.params[0][word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
-            with _driver.Context(self.ctx) as drv:
+            with Context(self.ctx) as drv:
                 kernel.launch(drv, stream)
 
 
-def _forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id,
-                            causal, scale, mask, window, ptrs, tma=True):
+def build_forward(problem, ptrs) -> ForwardPlan:
+    """Every check and choice of a forward problem (cuflash/_problem.py: dense, block-sparse or
+    a packed varlen batch), bound into its plan; ``ptrs`` (q, k, v) of the call that asks first
+    check the alignment and encode the tensor maps' templates."""
+    (q_shape, k_shape, v_shape), varlen = problem.shapes, problem.varlen
+    if varlen is not None:
+        _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
     nq, nk, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
-    for name, shape, strides in (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides)):
+    for name, shape, strides in problem.operands:
         _checks.check_last_dim_contiguous(name, shape, strides)
-    qkv = (q_shape, q_strides, k_shape, k_strides, v_shape, v_strides)
-    layout = broadcast_layout(*qkv)
-    scale = _checks.resolve_scale(scale, d)
-    mask, window = _checks.check_sparsity(mask, None, window, nq, nk, layout.out_lead_shape)
+    layout = broadcast_layout(*problem.qkv)
+    scale = _checks.resolve_scale(problem.scale, d)
+    mask, window = _checks.check_sparsity(problem.mask, None, problem.window, nq, nk, layout.out_lead_shape)
     if mask is not None:
-        layout = _checks.layout_with_mask(qkv, (), mask)
-    o_shape = layout.out_lead_shape + (nq, dv)
-    stats_shape = layout.out_lead_shape + (nq,)
-    operands = (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides))
-    num_batch = math.prod(layout.lead_shape)
-    if num_batch == 0 or nq == 0:
-        return ForwardPlan(device_id, dtype, o_shape, stats_shape, operands)
-    _launch.check_vector_operands(operands, ptrs, dtype)
-    cc = _driver.compute_capability(device_id)
-    variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=_config.has_wgmma(cc),
-                                     nq=nq, slices=num_batch, tma=tma)
-    row_tiles = None
-    if mask is not None and isinstance(variant, _variants.HopperForward):  # its tiles decide the form
-        row_tiles = _launch.sparse_row_tiles(mask, nq, nk, variant, causal, window)
-        variant = _config.forward_config(dtype, d, dv, causal, sparse=True, wgmma=True, nq=nq, slices=num_batch,
-                                         tma=tma, row_tiles=row_tiles)
-    row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
+        layout = _checks.layout_with_mask(problem.qkv, (), mask)
+    # A varlen launch's slices are (sequence, head): each owns one sequence of one head.
+    slices = math.prod(layout.lead_shape) * (varlen.num_seqs if varlen is not None else 1)
+    if slices == 0 or nq == 0:
+        return ForwardPlan(problem, layout.out_lead_shape + (nq, dv), layout.out_lead_shape + (nq,))
+    _launch.check_vector_operands(problem.operands, ptrs, problem.dtype)
+    longest = nq if varlen is None else min(varlen.max_seqlen_q, nq)  # the query rows a slice's grid covers
+    row_tiles = None  # block-sparse: the mask's tile lists count the key tiles a query tile visits
+    if mask is not None:
+        row_tiles = functools.partial(_launch.sparse_row_tiles, mask, nq, nk, causal=problem.causal, window=window)
+    choice = _config.forward_choice(problem.dtype, d, dv, problem.causal,
+                                    wgmma=_config.has_wgmma(_driver.compute_capability(problem.device)),
+                                    nq=longest, slices=slices, varlen=varlen is not None, row_tiles=row_tiles)
+    geometry = _launch.Geometry(problem, nq, nk, d, dv, layout, layout.out_lead_shape, scale, mask, window, slices,
+                                longest, nk)
+    return _bound_forward(geometry, choice, ptrs)
+
+
+def _bound_forward(g: _launch.Geometry, choice, ptrs, variant=None) -> ForwardPlan:
+    """The plan of ``choice`` (its variant, or the one given: its cp.async form)."""
+    problem, variant = g.problem, variant or choice.variant
+    row_strides = tuple(strides[-2] for strides in problem.strides)
     maps = None
-    if isinstance(variant, _variants.HopperForward) and variant.tma:
-        maps = _driver.Maps(_tma.geometries(nq, nk, d, layout, row_strides, variant.block_rows, variant.block_cols), ptrs)
-        if not maps.ok:  # the copy engine cannot map these inputs: the cp.async form
-            maps = None
-            variant = _config.forward_config(dtype, d, dv, causal, sparse=mask is not None, wgmma=True, nq=nq,
-                                             slices=num_batch, tma=False, row_tiles=row_tiles)
-    with _driver.device(device_id):
-        sparsity, lists = _launch.sparsity_fields(mask, layout.extra_strides[-1] if mask is not None else (), nq, nk,
-                                          variant, transpose=False, causal=causal, window=window)
-    params = [_driver.words(_launch.forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity))]
+    if getattr(variant, "tma", False):
+        # A varlen batch's maps span every packed row of a head; a sequence's tiles start at its first row.
+        maps = _driver.Maps(_tma.geometries(g.nq, g.nk, g.d, g.layout, row_strides, variant.block_rows,
+                                            variant.block_cols), ptrs)
+        if not maps.ok:  # the copy engine cannot map these inputs
+            return _bound_forward(g, choice, ptrs, choice.without_tensor_maps)
+    with _driver.device(problem.device):
+        mask_strides = g.layout.extra_strides[-1] if g.mask is not None else ()
+        sparsity, lists = _launch.sparsity_fields(g.mask, mask_strides, g.nq, g.nk, variant, transpose=False,
+                                                  causal=problem.causal, window=g.window)
+    varlen = problem.varlen
+    grid_x = _launch.grid_tiles(g.longest_q, g.nq, variant.block_rows)
+    num_seqs = varlen.num_seqs if varlen is not None else 0
+    # A persistent varlen walk's items span grid_x tiles a slice (a dense one's, every tile).
+    varlen_tiles = grid_x if varlen is not None and getattr(variant, "persistent", False) else 0
+    params = [_driver.words(_launch.forward_params(g.nq, g.nk, g.d, g.dv, g.layout, row_strides, g.scale, sparsity,
+                                                   num_seqs, varlen_tiles))]
     if isinstance(variant, _variants.HopperForward):
         params.append(maps.block if maps is not None else _driver.words(bytes(_tma.PARAM_BYTES)))
-    kernel = _driver.Kernel(variant, device_id, _launch.forward_grid(variant, -(-nq // variant.block_rows), num_batch, device_id),
-                    params, d, dv)
+    kernel = _driver.Kernel(variant, problem.device, _launch.forward_grid(variant, grid_x, g.slices, problem.device),
+                            params, g.d, g.dv)
     kernel.lists = lists
-
-    def fallback():
-        return _forward_signature_plan(*qkv, dtype, device_id, causal, scale, mask, window, ptrs, tma=False)
-
-    return ForwardPlan(device_id, dtype, o_shape, stats_shape, operands, kernel, maps,
-                       functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
-
-
-def _varlen_forward_signature_plan(q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, dtype, device_id,
-                                   causal, scale, window, num_seqs, max_seqlen_q, ptrs, tma=True):
-    _checks.check_varlen_shapes(q_shape, k_shape, v_shape)
-    total_q, total_k, d, dv = _checks.check_head_dims(q_shape, k_shape, v_shape)
-    for name, shape, strides in (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides)):
-        _checks.check_last_dim_contiguous(name, shape, strides)
-    qkv = (q_shape, q_strides, k_shape, k_strides, v_shape, v_strides)
-    layout = broadcast_layout(*qkv)
-    scale = _checks.resolve_scale(scale, d)
-    window = _checks.check_sparsity(None, None, window, total_q, total_k, layout.out_lead_shape)[1]
-    o_shape = layout.out_lead_shape + (total_q, dv)
-    stats_shape = layout.out_lead_shape + (total_q,)
-    operands = (("q", q_shape, q_strides), ("k", k_shape, k_strides), ("v", v_shape, v_strides))
-    heads = math.prod(layout.lead_shape)
-    if heads == 0 or total_q == 0 or num_seqs == 0:
-        plan = ForwardPlan(device_id, dtype, o_shape, stats_shape, operands)
-        plan.varlen = True
-        return plan
-    _launch.check_vector_operands(operands, ptrs, dtype)
-    cc = _driver.compute_capability(device_id)
-    variant = _config.forward_config(dtype, d, dv, causal, wgmma=_config.has_wgmma(cc), nq=min(max_seqlen_q, total_q),
-                                     tma=tma, slices=heads * num_seqs, varlen=True)
-    row_strides = (q_strides[-2], k_strides[-2], v_strides[-2])
-    maps = None
-    if isinstance(variant, _variants.HopperForward) and variant.tma:
-        # The maps span every packed row of a head; a sequence's tiles start at its first row.
-        maps = _driver.Maps(_tma.geometries(total_q, total_k, d, layout, row_strides, variant.block_rows,
-                                     variant.block_cols), ptrs)
-        if not maps.ok:
-            maps = None
-            variant = dataclasses.replace(variant, tma=False)
-    sparsity = (*(window or _checks.NO_WINDOW), *_launch.DENSE_TILES)
-    grid_x = _launch.varlen_grid_x(max_seqlen_q, total_q, variant.block_rows)
-    varlen_tiles = grid_x if getattr(variant, "persistent", False) else 0  # the x a persistent walk's items span
-    params = [_driver.words(_launch.forward_params(total_q, total_k, d, dv, layout, row_strides, scale, sparsity, num_seqs,
-                                    varlen_tiles))]
-    if isinstance(variant, _variants.HopperForward):
-        params.append(maps.block if maps is not None else _driver.words(bytes(_tma.PARAM_BYTES)))
-    kernel = _driver.Kernel(variant, device_id, _launch.forward_grid(variant, grid_x, heads * num_seqs, device_id), params, d, dv)
-
-    def fallback():
-        return _varlen_forward_signature_plan(*qkv, dtype, device_id, causal, scale, window, num_seqs, max_seqlen_q,
-                                              ptrs, tma=False)
-
-    plan = ForwardPlan(device_id, dtype, o_shape, stats_shape, operands, kernel, maps,
-                       functools.lru_cache(maxsize=1)(fallback) if maps is not None else None)
-    plan.varlen = True
-    return plan
+    fallback = None
+    if maps is not None:  # the cp.async plan, for pointers the copy engine refuses; built on first need
+        fallback = functools.lru_cache(maxsize=1)(lambda: _bound_forward(g, choice, ptrs, choice.without_tensor_maps))
+    return ForwardPlan(problem, g.out_lead + (g.nq, g.dv), g.out_lead + (g.nq,), kernel, maps, fallback)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 from . import _checks, _constants, _driver, _params
 from ._constants import MAX_LEAD_DIMS
 
 # ---- grids -----------------------------------------------------------------------------------
+
 
 def slice_grid(grid_x: int, num_batch: int):
     """A grid of grid_x tiles for every (batch..., head) slice: y holds up to 65535, z the rest."""
@@ -26,6 +28,35 @@ def forward_grid(variant, tiles: int, slices: int, device_id: int):
     if getattr(variant, "persistent", False):
         return (min(tiles * slices, _driver.sm_count(device_id)), 1, 1)
     return slice_grid(tiles, slices)
+
+
+def grid_tiles(longest: int, total: int, tile: int) -> int:
+    """Tiles a slice's CTAs start on along ``total`` rows: those of the longest sequence the
+    caller announces for a packed batch (all the rows of a dense slice), no more than the rows
+    hold, at least one (a CTA of an empty sequence just exits)."""
+    return max(1, -(-min(longest, total) // tile))
+
+
+class Geometry(NamedTuple):
+    """What a plan's builder derived from its problem, its checks done, for binding the kernels
+    it chose (cuflash/_forward.py, _backward.py)."""
+
+    problem: object
+    nq: int  # query rows (a varlen batch's: all of a head's)
+    nk: int
+    d: int
+    dv: int
+    layout: object  # the launch's BatchLayout
+    out_lead: tuple  # the output's leading dims
+    scale: float
+    mask: object  # a BlockMask or None
+    window: object  # (left, right) or None
+    slices: int  # the launch's (batch..., head) slices; a varlen batch's (sequence, head)
+    longest_q: int  # the query rows a slice's grid covers
+    longest_k: int  # the key rows
+    heads: int = 0  # the backward's: the merged leading dims' slices (a varlen batch's heads)
+    nq_pad: int = 0  # the backward's statistics' rows a head
+    stats_rows: int = 0  # the rows the backward's preprocess covers a slice
 
 
 # ---- parameter blocks ------------------------------------------------------------------------
@@ -52,11 +83,11 @@ def forward_params(nq, nk, d, dv, layout, row_strides, scale, sparsity=DENSE_SPA
     return struct.pack(_params.FWD_PARAM_FORMAT, *values)
 
 
-def sparse_row_tiles(mask, nq, nk, variant, causal, window) -> float:
-    """The mean number of key tiles a query tile of ``variant`` (a forward) visits under
+def sparse_row_tiles(mask, nq, nk, block_rows, block_cols, *, causal, window) -> float:
+    """The mean number of key tiles a query tile of block_rows x block_cols tiles visits under
     ``mask`` (from its host tile lists, which the mask keeps); nq > 0, as every plan that asks
     has at least one query tile."""
-    counts = mask.tile_lists(nq, nk, variant.block_rows, variant.block_cols, causal=causal, window=window).counts
+    counts = mask.tile_lists(nq, nk, block_rows, block_cols, causal=causal, window=window).counts
     return float(counts.mean())
 
 
@@ -79,7 +110,6 @@ def sparsity_fields(mask, mask_strides, nq, nk, variant, *, transpose, causal, w
     return fields, tiles
 
 
-
 def check_vector_operands(operands, ptrs, dtype):
     """The 16-bit kernels load 16-byte vectors: every operand's pointer and strides must allow it."""
     if dtype == "float32":
@@ -96,12 +126,6 @@ def check_vector_operands(operands, ptrs, dtype):
 # delimit. A launch's slices are (sequence, head): num_seqs * Hq of them, each owning one
 # sequence of one head (kernels/slice.cuh). max_seqlen only sizes the grid's x axis; a longer
 # sequence's CTAs walk its further tiles, so it is never a bound on correctness.
-
-
-def varlen_grid_x(max_seqlen: int, total: int, tile: int) -> int:
-    """Tiles a slice's CTAs start on: those of the longest sequence the caller announces, no
-    more than the packed total holds, at least one (a CTA of an empty sequence just exits)."""
-    return max(1, -(-min(max_seqlen, total) // tile))
 
 
 def varlen_stats_rows(total_q: int, num_seqs: int) -> int:

@@ -6,7 +6,7 @@
 
 The kernels run inside XLA's own execution through ``jax.experimental.buffer_callback``: the
 callback gets XLA's device buffers and its CUDA stream, looks up the launch plan of the call's
-shapes (cuflash/_plan.py) and launches it on that stream, reading the inputs in place and
+shapes (cuflash/_spine.py) and launches it on that stream, reading the inputs in place and
 writing o, l, m and the gradients straight into XLA's output buffers. jaxlib offers no stable
 way to launch run-time compiled GPU code from a custom call without Python: its FFI needs a
 handler compiled ahead of time, and the Triton custom call is internal; so each call costs one
@@ -20,7 +20,7 @@ trace time from the static shapes, so the splits' workspace is one more output o
 (XLA allocates it with the program's temporaries) and a callback only writes pointers into the
 plan's bound launch; the lengths and page indices are read by the kernels from device memory,
 never by the host. Short-query calls without those arguments take the same kernels where
-cuflash.attention would (``_decode.routes_short_queries``) and stay differentiable: their o, l,
+cuflash.attention would (``_spine.routes_short_queries``) and stay differentiable: their o, l,
 m feed the usual backward.
 
 Memory: cuflash's results and scratch space come from CuPy's memory pool, outside XLA's.
@@ -36,8 +36,8 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _arrays, _broadcast, _checks, _decode, _driver, _plan
-from ._cache import PLANS
+from . import _broadcast, _spine
+from ._spine import PLANS
 from .masks import window_option
 
 __all__ = ["attention"]
@@ -77,38 +77,39 @@ def _forward_plan(q, k, v, device, options, lengths=None):
     key = ("jax forward", q.shape, k.shape, v.shape, q.dtype, device, options, lengths)
     plan = _recent(key)
     if plan is None:
-        plan = PLANS.get_or_build(key, lambda: _new_forward_plan(q, k, v, device, options, lengths))
+        plan = PLANS.get_or_build(key, _new_forward_plan, q, k, v, device, options, lengths)
     return plan
 
 
 def _new_forward_plan(q, k, v, device, options, lengths):
     causal, scale, mask, window = options
-    operands = (tuple(q.shape), _arrays.contiguous_strides(q.shape), tuple(k.shape), _arrays.contiguous_strides(k.shape),
-                tuple(v.shape), _arrays.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
-    ptrs = (_pointer(q), _pointer(k), _pointer(v))
-    if lengths is None:
-        return _plan.forward_plan(*operands, mask, window, ptrs)
-    return _plan.varlen_forward_plan(*operands, window, *lengths[:2], ptrs)
+    problem = _spine.forward_problem((q.shape, k.shape, v.shape), (_row_major(q), _row_major(k), _row_major(v)),
+                                     (q.dtype, k.dtype, v.dtype), device, causal=causal, scale=scale, mask=mask,
+                                     window=window, varlen=None if lengths is None else _spine.Varlen(*lengths))
+    return _spine.forward(problem, (_pointer(q), _pointer(k), _pointer(v)))
+
+
+def _row_major(x) -> tuple:
+    """The element strides XLA lays a custom call's operand out with."""
+    return _spine.contiguous_strides(x.shape)
 
 
 def _backward_plan(args, device, options, deterministic, lengths=None):
     key = ("jax backward", *(a.shape for a in args), args[1].dtype, device, options, deterministic, lengths)
     plan = _recent(key)
     if plan is None:
-        plan = PLANS.get_or_build(key, lambda: _new_backward_plan(args, device, options, deterministic, lengths))
+        plan = PLANS.get_or_build(key, _new_backward_plan, args, device, options, deterministic, lengths)
     return plan
 
 
 def _new_backward_plan(args, device, options, deterministic, lengths):
     causal, scale, mask, window = options
     main = args[:5]
-    stats = tuple((tuple(x.shape), _arrays.contiguous_strides(x.shape), "float32") for x in args[5:7])
-    operands = (tuple(tuple(x.shape) for x in main), tuple(_arrays.contiguous_strides(x.shape) for x in main),
-                _checks.dtype_name(args[1].dtype), stats, device, causal, scale)
-    ptrs = tuple(_pointer(x) for x in main)
-    if lengths is None:
-        return _plan.backward_plan(*operands, mask, window, deterministic, ptrs)
-    return _plan.varlen_backward_plan(*operands, window, deterministic, *lengths, ptrs)
+    problem = _spine.backward_problem(
+        tuple(x.shape for x in main), tuple(_row_major(x) for x in main), tuple(x.dtype for x in main),
+        tuple((x.shape, _row_major(x), x.dtype) for x in args[5:7]), device, causal=causal, scale=scale, mask=mask,
+        window=window, deterministic=deterministic, varlen=None if lengths is None else _spine.Varlen(*lengths))
+    return _spine.backward(problem, tuple(_pointer(x) for x in main))
 
 
 def _xla_stream(ctx) -> int:
@@ -195,7 +196,7 @@ class _RowMajorBuffer:
     def __init__(self, shape, dtype, ptr: int = 0, device_id: int = 0):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
-        self.strides = tuple(s * self.dtype.itemsize for s in _arrays.contiguous_strides(self.shape))
+        self.strides = tuple(s * self.dtype.itemsize for s in _spine.contiguous_strides(self.shape))
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
         self.data = types.SimpleNamespace(ptr=ptr)
@@ -222,7 +223,7 @@ def _gpu_size(device):
     """plan_decode's sm_count for ``device`` (None: its default)."""
     if device is None:
         return {}
-    return dict(sm_count=_driver.sm_count(device))
+    return dict(sm_count=_spine.sm_count(device))
 
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")
@@ -239,7 +240,7 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
     device = _trace_device()
     key = ("jax decode", *(None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in arrays.values()),
            options, forward_options, device)
-    plan, callback = PLANS.get_or_build(key, lambda: _traced_decode(arrays, device, options, forward_options))
+    plan, callback = PLANS.get_or_build(key, _traced_decode, arrays, device, options, forward_options)
     stats = jax.ShapeDtypeStruct(plan.out_shape[:-1], np.float32)
     shapes = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype), stats, stats)
     if plan.workspace_bytes:
@@ -254,10 +255,11 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
 def _traced_decode(arrays, device, options, forward_options):
     """(DecodePlan, callback) of a decoding call's traced arrays."""
     causal, scale, window, num_splits = options
-    meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0) for name, x in arrays.items()}
-    plan = _decode.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
-                               page_table=meta["page_table"], seqlens_k=meta["seqlens_k"], num_splits=num_splits,
-                               **_gpu_size(device))
+    meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0)
+            for name, x in arrays.items()}
+    plan = _spine.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
+                              page_table=meta["page_table"], seqlens_k=meta["seqlens_k"], num_splits=num_splits,
+                              **_gpu_size(device))
     names = tuple(name for name, x in arrays.items() if x is not None)
     return plan, _decode_callback(plan, names, options, forward_options)
 
@@ -292,10 +294,10 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
     for name in ("q", "k", "v"):
         x = arrays[name]
         if x.data.ptr & 15:
-            raise _checks.vector_alignment_error(name, x.shape, _arrays.contiguous_strides(x.shape), x.data.ptr,
-                                                 _checks.dtype_name(x.dtype))
+            raise _spine.vector_alignment_error(name, x.shape, _spine.contiguous_strides(x.shape), x.data.ptr,
+                                                _spine.dtype_name(x.dtype))
     pointers = [0 if arrays.get(name) is None else arrays[name].data.ptr for name in _DECODE_INPUTS]
-    _decode.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
+    _spine.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
                                            0 if workspace is None else workspace.data.ptr, _xla_stream(ctx))
 
 
@@ -308,10 +310,10 @@ def _batched_decode_plan(arrays, num_splits, options):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
 
     def build():  # (plan or None,): the cache keeps no None
-        if not _decode.routes_short_queries(q, k, v):
+        if not _spine.routes_short_queries(q, k, v):
             return (None,)
         causal, scale, window, _ = options
-        return (_decode.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits),)
+        return (_spine.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits),)
 
     return PLANS.get_or_build(("jax batched decode", q.shape, k.shape, v.shape, q.dtype, num_splits, options), build)[0]
 
@@ -338,18 +340,13 @@ _decoding_jit = jax.jit(_decoding, static_argnums=(5,))
 
 def _check(q, k, v, scale, block_mask, window):
     """Trace-time validation: errors surface at the call site, not inside XLA's callback."""
-    _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _checks.check_head_dims(q.shape, k.shape, v.shape)
-    _checks.resolve_scale(scale, q.shape[-1])
-    lead = _broadcast.out_lead_shape(q.shape, k.shape, v.shape)
-    _checks.check_sparsity(block_mask, None, window, q.shape[-2], k.shape[-2], lead)
-    return lead
+    return _spine.check_traced((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), scale, block_mask, window)
 
 
 def _forward(q, k, v, options):
     lead = _check(q, k, v, *options[1:])
     causal, scale, mask, window = options
-    if _decode.routes_short_queries(*(_RowMajorBuffer(x.shape, x.dtype) for x in (q, k, v)), mask):
+    if _spine.routes_short_queries(*(_RowMajorBuffer(x.shape, x.dtype) for x in (q, k, v)), mask):
         return _decode_outputs(q, k, v, None, None, (causal, scale, window, None), forward_options=options)
     nq, dv = q.shape[-2], v.shape[-1]
     stats = jax.ShapeDtypeStruct(lead + (nq,), np.float32)
@@ -427,7 +424,7 @@ _varlen_jit = jax.jit(_varlen, static_argnums=(5, 6, 7))
 def _longest(name, value, cu, total):
     """max_seqlen_q / _k: as given, or read from concrete boundaries (a host copy); under jit
     the boundaries are traced, so the value must be given."""
-    value = _checks.check_max_seqlen(name, value)
+    value = _spine.check_max_seqlen(name, value)
     if value is not None:
         return value
     try:
@@ -435,7 +432,7 @@ def _longest(name, value, cu, total):
     except jax.errors.TracerArrayConversionError:
         raise ValueError(f"{name} must be given (a host int) when cu_seqlens are traced, e.g. under jax.jit: "
                          f"the lengths live on the device") from None
-    return _arrays.longest_sequence(host, total)
+    return _spine.longest_sequence(host, total)
 
 
 def _check_int_arrays(**arrays):
@@ -448,9 +445,9 @@ def _check_int_arrays(**arrays):
 
 def _varlen_attention(q, k, v, causal, scale, window, deterministic, cu_q, cu_k, max_q, max_k):
     _check_int_arrays(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    meta = [None if c is None else (tuple(c.shape), _checks.dtype_name(c.dtype), 0) for c in (cu_q, cu_k)]
-    num_seqs = _checks.check_cu_seqlens(*meta, 0)  # XLA places every operand of a call on one device
-    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
+    meta = [None if c is None else (tuple(c.shape), _spine.dtype_name(c.dtype), 0) for c in (cu_q, cu_k)]
+    num_seqs = _spine.check_cu_seqlens(*meta, 0)  # XLA places every operand of a call on one device
+    _spine.check_varlen_shapes(q.shape, k.shape, v.shape)
     lengths = (num_seqs, _longest("max_seqlen_q", max_q, cu_q, q.shape[-2]),
                _longest("max_seqlen_k", max_k, cu_k, k.shape[-2]))
     return _varlen_jit(q, k, v, cu_q, cu_k, (causal, scale, None, window), lengths, deterministic)
@@ -484,7 +481,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             time from the shapes and JAX's default GPU. XLA passes operands row-major: keep a
             cache as (num_pages, Hk, page_size, d), since ``jnp.swapaxes`` of vLLM's layout
             is a transposed copy of the whole cache. Under jax.vmap such a call runs once an
-            example. Calls with 1-16 queries a head against at least ``_config.DECODE_MIN_KEYS``
+            example. Calls with 1-16 queries a head against at least 64
             keys take the same kernels on their own, differentiably.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length
             batch, as in :func:`cuflash.attention`: q (Hq, total_q, d), k / v (Hk, total_k,
@@ -501,10 +498,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
         ...                                    seqlens_k=context_lens)
     """
     scale = None if scale is None else float(scale)
-    mask = _checks.as_block_mask(block_mask, block_size)
+    mask = _spine.as_block_mask(block_mask, block_size)
     window = window_option(window)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
+        _spine.check_varlen_options(mask, page_table, seqlens_k, num_splits)
         return _varlen_attention(q, k, v, bool(causal), scale, window, bool(deterministic), cu_seqlens_q,
                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if page_table is not None or seqlens_k is not None or num_splits is not None:
@@ -512,7 +509,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
                              "(the split-KV decoding path)")
         _check_int_arrays(page_table=page_table, seqlens_k=seqlens_k)
-        options = (bool(causal), scale, window, _decode._check_num_splits(num_splits))
+        options = (bool(causal), scale, window, _spine.check_num_splits(num_splits))
         return _decoding_jit(q, k, v, page_table, seqlens_k, options)
     options = (bool(causal), scale, mask, window)
     return _attention_jit(q, k, v, options, bool(deterministic))

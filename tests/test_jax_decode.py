@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cpu_fakes import HostArrayAsDevice
-from cuflash import _config, _decode, masks
+from cuflash import _config, _decode, _spine, masks
 from cuflash import reference as ref
 from gpu_util import np_dtype, random_array
 from test_decode_gpu import PagedCache, allowed_keys
@@ -197,7 +197,7 @@ def host_view(ptr, shape, dtype, strides=None):
 
 
 class KernelModel:
-    """Stands in for the kernels' bound launches (_decode.bound_launch) and the forward's
+    """Stands in for the kernels' bound launches (_spine.bound_launch) and the forward's
     launch: reads the buffers as the kernels do, from raw pointers with the plan's shapes and
     strides, computes what the kernels compute in float64, writes it into the output buffers
     and records each launch."""
@@ -275,7 +275,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(cj, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
     monkeypatch.setattr(cj, "_xla_stream", lambda ctx: 0)
     monkeypatch.setattr(cj, "_run_forward", model.run_forward)
-    monkeypatch.setattr(_decode, "bound_launch", model.bound_launch)
+    monkeypatch.setattr(_spine, "bound_launch", model.bound_launch)
     with jax.default_device(jax.devices("cpu")[0]):
         yield model
 

@@ -47,9 +47,10 @@ def test_the_block_layouts_read_only_the_fixed_numbers(name, within):
 LAYERS = (
     ("fixed numbers and views", {"_constants", "_tiles", "_params", "_tma", "_views"}),
     ("kernel variants, broadcasting, masks, the reference", {"_variants", "_broadcast", "masks", "reference"}),
-    ("checks, choices, compilation, arrays", {"_checks", "_config", "_loader", "_arrays", "_merge"}),
+    ("checks, choices, compilation, arrays, problems", {"_checks", "_config", "_loader", "_arrays", "_merge",
+                                                        "_problem"}),
     ("driver and plan cache", {"_driver", "_cache"}),
-    ("plans", {"_launch", "_forward", "_backward", "_decode", "_plan"}),
+    ("plans", {"_launch", "_forward", "_backward", "_decode"}),
     ("spine", {"_spine"}),
     ("front ends", {"__init__", "_api", "torch", "jax"}),
     ("integrations and tools", {"transformers", "distributed", "bench", "compile_check"}),
@@ -121,6 +122,15 @@ def test_imports_point_down_the_layers():
     upward = sorted(f"{a} ({LAYERS[LAYER_OF[a]][0]}) imports {b} ({LAYERS[LAYER_OF[b]][0]})"
                     for a, targets in import_graph().items() for b in targets if LAYER_OF[b] > LAYER_OF[a])
     assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("front_end", ["_api", "torch", "jax"])
+def test_front_ends_reach_the_layers_below_through_the_spine(front_end):
+    """A front end turns arrays into problems and owns its outputs: of the package it takes the
+    spine, and beside it only what describes arrays in its own terms (the broadcasting rule's
+    shapes, CuPy views of torch tensors, the masks, the named results)."""
+    allowed = {"_spine", "_broadcast", "_views", "masks", "_arrays", front_end}
+    assert import_graph()[front_end] <= allowed, sorted(import_graph()[front_end] - allowed)
 
 
 def test_no_import_cycle():

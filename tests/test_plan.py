@@ -1,12 +1,13 @@
-"""The launch-plan cache (cuflash/_plan.py) on the CPU: the driver, the kernels and the tensor
-maps are stand-ins that record what a launch would receive."""
+"""The launch plans (cuflash/_forward.py, _backward.py, through cuflash/_spine.py) on the CPU:
+the driver, the kernels and the tensor maps are stand-ins that record what a launch would
+receive."""
 
 import ctypes
 import struct
 
 import pytest
 
-from cuflash import _config, _driver, _launch, _loader, _params, _plan, _tiles, _tma, _variants
+from cuflash import _cache, _config, _driver, _launch, _loader, _params, _spine, _tiles, _tma, _variants
 
 
 class _FakeDriver:
@@ -72,10 +73,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_driver, "device", lambda device_id: _NullContext())
     monkeypatch.setattr(_loader, "get_kernel", get_kernel)
     monkeypatch.setattr(_tma, "encode", _fake_encode)
-    _plan.clear()
+    _cache.clear()
     driver.built = built
     yield driver
-    _plan.clear()
+    _cache.clear()
 
 
 class _NullContext:
@@ -98,15 +99,25 @@ def _forward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", causal=Fals
              strides=None, ptrs=(0x1000, 0x20000, 0x40000)):
     kv_shape = kv_shape or shape
     q_strides = strides or _contiguous(shape)
-    return _plan.forward_plan(shape, q_strides, kv_shape, _contiguous(kv_shape), kv_shape,
-                              _contiguous(kv_shape), dtype, 0, causal, None, None, window, ptrs)
+    return _forward_problem_plan((shape, kv_shape, kv_shape), (q_strides, _contiguous(kv_shape), _contiguous(kv_shape)),
+                                 dtype, ptrs, causal=causal, window=window)
+
+
+def _forward_problem_plan(shapes, strides, dtype, ptrs, **options):
+    problem = _spine.forward_problem(shapes, strides, (dtype,) * 3, 0, **options)
+    return _spine.forward(problem, ptrs)
+
+
+def _backward_problem_plan(shapes, strides, dtype, stats, ptrs, **options):
+    problem = _spine.backward_problem(shapes, strides, (dtype,) * 5, stats, 0, **options)
+    return _spine.backward(problem, ptrs)
 
 
 def test_a_known_signature_builds_nothing(fake_gpu):
     plan = _forward()
     built = len(fake_gpu.built)
     assert _forward(ptrs=(0x9000, 0x90000, 0xA0000)) is plan  # other pointers: same plan
-    assert len(fake_gpu.built) == built and _plan.plan_counts() == (1, 0)
+    assert len(fake_gpu.built) == built and _cache.plan_counts() == (1, 0)
 
 
 @pytest.mark.parametrize("change", [
@@ -117,7 +128,7 @@ def test_a_known_signature_builds_nothing(fake_gpu):
 def test_a_changed_signature_builds_a_new_plan(fake_gpu, change):
     plan = _forward()
     assert _forward(**change) is not plan
-    assert _plan.plan_counts() == (2, 0)
+    assert _cache.plan_counts() == (2, 0)
 
 
 def test_switches_build_new_plans(fake_gpu):
@@ -151,8 +162,8 @@ def test_packed_batches_take_the_persistent_grid_where_dense_ones_do(fake_gpu, d
     (tiles, slices)."""
     heads, seqs, total = 4, 3, 2500
     shape = (heads, total, d)
-    plan = _plan.varlen_forward_plan(shape, _contiguous(shape), shape, _contiguous(shape), shape, _contiguous(shape),
-                                     "bfloat16", 0, True, None, None, seqs, longest, (0x1000, 0x20000, 0x40000))
+    plan = _forward_problem_plan((shape,) * 3, (_contiguous(shape),) * 3, "bfloat16", (0x1000, 0x20000, 0x40000),
+                                 causal=True, varlen=_spine.Varlen(seqs, longest))
     plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 42, 0x7000, 0x8000)
     (launch,) = fake_gpu.launches
     tiles = -(-longest // 128)
@@ -211,8 +222,8 @@ def _backward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", determinis
     shapes = (shape, shape, kv_shape, kv_shape, shape)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
-    return _plan.backward_plan(shapes, strides, dtype, stats, 0, causal, None, None, None, deterministic,
-                               (0x1000,) * 5)
+    return _backward_problem_plan(shapes, strides, dtype, stats, (0x1000,) * 5, causal=causal,
+                                  deterministic=deterministic)
 
 
 def _key_pass(plan):
@@ -250,7 +261,7 @@ def test_persistent_key_pass_past_2_31_items_takes_a_cta_an_item(fake_gpu):
 
 def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
     plan = _backward()
-    assert _backward() is plan and _plan.plan_counts() == (0, 1)
+    assert _backward() is plan and _cache.plan_counts() == (0, 1)
     kinds = [g.kind for g in plan.grads]
     assert kinds == ["reduce", "direct", "direct"]  # dK, dV written in place; dQ from float32
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
@@ -270,7 +281,7 @@ def test_backward_key_pass_loads_through_tensor_maps(fake_gpu):
     shapes = (shape,) * 5
     strides = (_contiguous(shape), q_strides, _contiguous(shape), _contiguous(shape), _contiguous(shape))
     stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
-    plan = _plan.backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
+    plan = _backward_problem_plan(shapes, strides, "bfloat16", stats, (0x1000,) * 5, causal=True)
     key_pass = _key_pass(plan)
     assert key_pass.variant.tma and len(key_pass.params) == 3
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
@@ -291,8 +302,8 @@ def test_packed_backward_maps_span_every_row_of_a_head(fake_gpu):
     shapes = (q, q, kv, kv, q)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = (((heads, total_q), (total_q, 1), "float32"),) * 2
-    plan = _plan.varlen_backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, False, 3, 400, 400,
-                                      (0x1000,) * 5)
+    plan = _backward_problem_plan(shapes, strides, "bfloat16", stats, (0x1000,) * 5, causal=True,
+                                  varlen=_spine.Varlen(3, 400, 400))
     key_pass = _key_pass(plan)
     assert key_pass.variant.varlen and key_pass.variant.tma
     plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5, 0x200000, 0x300000)
@@ -378,7 +389,7 @@ def test_broadcast_q_is_left_to_the_framework(fake_gpu):
     shapes = (kv, shape, kv, kv, kv)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = ((kv[:-1], _contiguous(kv[:-1]), "float32"),) * 2
-    plan = _plan.backward_plan(shapes, strides, "float16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
+    plan = _backward_problem_plan(shapes, strides, "float16", stats, (0x1000,) * 5, causal=True)
     assert plan.grads[0].kind == "generic" and plan.grads[0].acc_shape == (3, 4, 256, 64)
 
 
@@ -407,15 +418,22 @@ def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
     n = 64 * 128
     dense_rule = _config.forward_config("bfloat16", 64, 64, False, sparse=True, wgmma=True, nq=n)
     assert not dense_rule.persistent
-    variant = dense_rule  # its tiles: 128 queries x 128 keys
-    local = masks.local(64, 2)  # rows visit 3-5 key tiles
-    assert 3 <= _launch.sparse_row_tiles(local, n, n, variant, False, None) <= 5
-    assert _launch.sparse_row_tiles(masks.dense(64), n, n, variant, False, None) == 64
-    assert _launch.sparse_row_tiles(masks.dense(64), n, n, variant, True, None) == 32.5  # causal halves it
+    tiles = (dense_rule.block_rows, dense_rule.block_cols)  # 128 queries x 128 keys
+
+    def row_tiles(mask, causal=False):
+        return _launch.sparse_row_tiles(mask, n, n, *tiles, causal=causal, window=None)
+
+    assert 3 <= row_tiles(masks.local(64, 2)) <= 5  # rows visit 3-5 key tiles
+    assert row_tiles(masks.dense(64)) == 64
+    assert row_tiles(masks.dense(64), causal=True) == 32.5  # causal halves it
     limit = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES[64]
-    for row_tiles, persistent in ((limit, True), (limit + 0.5, False)):
+    for visited, persistent in ((limit, True), (limit + 0.5, False)):
         for d in (64, 128):
-            chosen = _config.forward_config("bfloat16", d, d, False, sparse=True, wgmma=True, nq=n, row_tiles=row_tiles)
+            asked = []
+            chosen = _config.forward_config("bfloat16", d, d, False, sparse=True, wgmma=True, nq=n,
+                                            row_tiles=lambda br, bc: asked.append((br, bc)) or visited)
             assert chosen.persistent == (persistent and d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES)
-    dense = _config.forward_config("bfloat16", 64, 64, False, wgmma=True, nq=n, row_tiles=1)
+            assert asked == ([(chosen.block_rows, chosen.block_cols)] if d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES
+                             else [])  # asked with the tiles it decides for, and only where it decides
+    dense = _config.forward_config("bfloat16", 64, 64, False, wgmma=True, nq=n, row_tiles=lambda br, bc: 1)
     assert not dense.persistent  # row_tiles speaks for block-sparse launches only

@@ -116,9 +116,9 @@ def test_statistics_regions_of_sequences_never_overlap_and_fit_the_pitch():
 
 
 def test_varlen_grid_covers_the_announced_longest_sequence():
-    assert _launch.varlen_grid_x(1000, 5000, 128) == 8
-    assert _launch.varlen_grid_x(10**9, 300, 128) == 3  # never more than the packed rows hold
-    assert _launch.varlen_grid_x(0, 300, 128) == 1
+    assert _launch.grid_tiles(1000, 5000, 128) == 8
+    assert _launch.grid_tiles(10**9, 300, 128) == 3  # never more than the packed rows hold
+    assert _launch.grid_tiles(0, 300, 128) == 1
 
 
 @pytest.mark.parametrize("wgmma", (False, True))
