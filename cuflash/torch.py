@@ -148,8 +148,14 @@ def _max_seqlens(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q, k):
 def _varlen_forward_impl(q, k, v, causal, scale, window, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
     """o, l, m of a packed variable-length batch on torch's current stream."""
     max_q, _ = _max_seqlens(cu_q, cu_k, max_seqlen_q, 0, q, k)
-    varlen = _spine.Varlen(_varlen_boundaries(q, cu_q, cu_k), max_q)
-    plan, _ = _new_forward_plan(q, k, v, causal, scale, None, window, varlen=varlen)
+    num_seqs = _varlen_boundaries(q, cu_q, cu_k)
+    key = ("torch varlen forward", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device, causal, scale, window, num_seqs, max_q)
+    entry = _recent(key)
+    if entry is None:
+        entry = PLANS.get_or_build(key, _new_forward_plan, q, k, v, causal, scale, None, window, False,
+                                   _spine.Varlen(num_seqs, max_q))
+    plan = entry[0]
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
@@ -246,16 +252,16 @@ def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deter
     if varlen is not None:
         cu_q, cu_k, max_q, max_k = varlen
         max_q, max_k = _max_seqlens(cu_q, cu_k, max_q, max_k, q, k)
-        packed = _spine.Varlen(_varlen_boundaries(q, cu_q, cu_k), max_q, max_k)
-        plan = _new_backward_plan(tensors, causal, scale, mask, window, deterministic, packed)
+        packed = (_varlen_boundaries(q, cu_q, cu_k), max_q, max_k)
         cu_seqlens = (cu_q.data_ptr(), cu_k.data_ptr())
-        key = None
     else:
-        key = ("torch backward", *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), causal, scale, mask,
-               window, deterministic)
-        plan = _recent(key)
+        packed = None
+    key = ("torch backward", *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), causal, scale, mask,
+           window, deterministic, packed)
+    plan = _recent(key)
     if plan is None:
-        plan = PLANS.get_or_build(key, _new_backward_plan, tensors, causal, scale, mask, window, deterministic)
+        plan = PLANS.get_or_build(key, _new_backward_plan, tensors, causal, scale, mask, window, deterministic,
+                                  None if packed is None else _spine.Varlen(*packed))
     if short is not None and not copied:  # a dO laid out like this one needs no copy either
         PLANS.get_or_build(short, lambda found: found, plan)
     return plan, do, cu_seqlens
