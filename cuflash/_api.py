@@ -30,10 +30,10 @@ class _Call(NamedTuple):
     it once: its outputs' one-allocation layout and its inputs' byte extents (which
     caller-given outputs must not overlap)."""
 
-    plan: Any  # a ForwardPlan or BackwardPlan; for a decoding call the bound DecodeLaunch
+    plan: Any  # its ForwardPlan, BackwardPlan or (a decoding call's) DecodePlan
     specs: tuple  # (specs, bytes) of cuflash._arrays.output_specs
     extents: tuple  # ((name, (first, end) or None), ...) of the inputs
-    launch: Any = None  # the routed decoding launch of a forward signature, or None
+    launch: Any = None  # the DecodePlan a forward signature is routed to, or None
     given_specs: tuple = ()  # a backward's: the specs of all three gradients, for caller-given ones
 
 
@@ -178,16 +178,17 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         o, l, m = new_outputs(*specs) if out is None else _checked(call, out, ("o", "l", "m"), (q, k, v),
                                                                     plan.device_id)
-    plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream)
+    plan.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr), stream)
     return AttentionOutput(o, l, m)
 
 
 def _run_routed(call: _Call, q, k, v, out) -> AttentionOutput:
-    """A forward signature's call routed to the split-KV kernels (its entry's launch)."""
+    """A forward signature's call routed to the split-KV kernels (its entry's DecodePlan)."""
     import cupy
 
     plan = call.plan
-    plan.check(q.data.ptr, k.data.ptr, v.data.ptr)  # the alignment error the forward gives
+    if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
+        plan.check_alignment((q.data.ptr, k.data.ptr, v.data.ptr))  # the error the forward gives
     if out is not None:
         out = _checked(call, out, ("o", "l", "m"), (q, k, v), plan.device_id)
     stream, current = stream_on(plan.device_id)
@@ -248,8 +249,8 @@ def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
         o, l, m = new_outputs(*call.specs) if out is None else _checked(call, out, ("o", "l", "m"), (q, k, v),
                                                                          plan.device_id)
-    plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream, cu_q.data.ptr,
-             cu_k.data.ptr)
+    plan.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, cu_q.data.ptr,
+              cu_k.data.ptr), stream)
     return AttentionOutput(o, l, m)
 
 
@@ -355,8 +356,8 @@ def _run_backward(call: _Call, arrays, out, *cu_seqlens):
         grads, given = _backward_outputs(call, arrays, out)
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = workspace.ptr if workspace is not None else 0
-        plan.run(do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
-                 *(0 if g is None else g.data.ptr for g in grads), base, stream, *cu_seqlens)
+        plan.run((do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
+                  *(0 if g is None else g.data.ptr for g in grads), base, *cu_seqlens), stream)
         for index, g in enumerate(plan.grads):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
@@ -371,7 +372,7 @@ def _run_backward(call: _Call, arrays, out, *cu_seqlens):
 
 
 def _decode_call(q, k, v, page_table, seqlens_k, causal, scale, window, num_splits) -> _Call:
-    launch = _spine.decode_launch(q, k, v, page_table, seqlens_k, causal=causal, scale=scale, window=window,
+    launch = _spine.decode_plan(q, k, v, page_table, seqlens_k, causal=causal, scale=scale, window=window,
                                   num_splits=num_splits, device=q.device.id)
     given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), (q, k, v, page_table, seqlens_k))
              if x is not None]
@@ -439,22 +440,22 @@ def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, 
                            cupy.cuda.get_current_stream().ptr)
 
 
-def run_plan(plan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None, out=None) -> AttentionOutput:
-    """Launch a :func:`plan_decode` plan on CuPy arrays of the shapes and strides it was made
-    for, on CuPy's current stream. ``workspace``: a device buffer (cupy.cuda.MemoryPointer or
-    a float32 array) of at least ``bound_launch(plan, device).workspace_bytes`` bytes, or None
+def run_plan(choice, q, k, v, *, page_table=None, seqlens_k=None, workspace=None, out=None) -> AttentionOutput:
+    """Launch the plan of a decoding choice (cuflash._decode.plan_decode's) on CuPy arrays of the
+    shapes and strides it was made for, on CuPy's current stream. ``workspace``: a device buffer
+    (cupy.cuda.MemoryPointer or a float32 array) of at least ``choice.workspace_bytes`` bytes, or None
     to take it from CuPy's pool; ``out``: (o, l, m) to write, or None for new arrays. With both
     given a call allocates nothing (what a captured CUDA graph needs)."""
     import cupy
 
-    launch = _spine.bound_launch(plan, q.data.device_id)
+    launch = _spine.bound_plan(choice, q.data.device_id)
     specs = launch.output_specs(q.dtype) if out is None else None
     return _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out,
                        cupy.cuda.get_current_stream().ptr)
 
 
 def _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out, stream):
-    """One call of a bound decoding launch on CuPy arrays, on the current device: outputs and
+    """One call of a DecodePlan (``launch``) on CuPy arrays, on the current device: outputs and
     workspace (``specs``: their layout) from CuPy's pool unless given."""
     import cupy
 
@@ -475,7 +476,7 @@ def _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out, s
             raise ValueError(f"workspace must be a contiguous array of at least {launch.workspace_bytes} bytes, "
                              f"got shape {workspace.shape}, dtype {workspace.dtype}")
         ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
-    launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
-               0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
-               ws, stream)
+    launch.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
+                0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
+                ws), stream)
     return AttentionOutput(o, l, m)

@@ -31,14 +31,16 @@ class GradientOut(NamedTuple):
     shape: tuple  # the gradient's (its input's) shape
 
 
-class BackwardPlan:
-    """One backward problem's launches: ``run(do, q, k, v, o, l, m, dq, dk, dv, workspace,
-    stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes; and
-    a varlen batch's cu_seqlens_q, cu_seqlens_k)."""
+class BackwardPlan(_launch.Plan):
+    """One backward problem's launches: ``run((do, q, k, v, o, l, m, dq, dk, dv, workspace),
+    stream)`` on raw pointers (dq/dk/dv: 0 for a 'generic' gradient, which the caller makes; a
+    varlen batch's with cu_seqlens_q, cu_seqlens_k after them)."""
 
     def __init__(self, problem, grads, out_lead, workspace_bytes=0, delta_offset=0, zero=None, kernels=(),
                  fwd_blocks=(), bwd_block=None, reduces=(), zero_grads=False, maps=None, fallback=None):
         self.problem = problem
+        self.pointer_names = ("do", "q", "k", "v", "o", "l", "m", "dq", "dk", "dv", "workspace") + (
+            ("cu_seqlens_q", "cu_seqlens_k") if problem.varlen is not None else ())
         self.device_id = problem.device
         self.dtype = problem.dtype
         self.operands = problem.operands
@@ -54,27 +56,22 @@ class BackwardPlan:
         self.zero_grads = zero_grads  # no query sees a key: every gradient is 0
         self.maps = maps  # the wgmma key pass's tensor maps (q, k, v, dO), or None
         self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
-        self.varlen = problem.varlen is not None  # the launches read cu_seqlens_q / _k (run's last arguments)
+        self.varlen = problem.varlen is not None  # the launches read cu_seqlens_q / cu_seqlens_k
         self.ctx = _driver.device_context(problem.device)
         self.lock = threading.Lock()
 
-    def check(self, do, q, k, v, o):
-        if self.vectors and (do | q | k | v | o) & 15:
-            for (name, shape, strides), ptr in zip(self.operands, (do, q, k, v, o)):
-                if ptr & 15:
-                    raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
-
-    def run(self, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q=0, cu_seqlens_k=0):
-        self.check(do, q, k, v, o)
+    def run(self, pointers, stream):
+        if self.vectors and (pointers[0] | pointers[1] | pointers[2] | pointers[3] | pointers[4]) & 15:
+            self.check_alignment(pointers)
         with self.lock:
-            if self.maps is None or self.maps.bind((q, k, v, do)):
+            if self.maps is None or self.maps.bind((pointers[1], pointers[2], pointers[3], pointers[0])):
                 with Context(self.ctx) as drv:
-                    self._launch(drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q,
-                                 cu_seqlens_k)
+                    self._launch(drv, pointers, stream)
                 return
-        self.fallback().run(do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q, cu_seqlens_k)
+        self.fallback().run(pointers, stream)
 
-    def _launch(self, drv, do, q, k, v, o, l, m, dq, dk, dv, workspace, stream, cu_seqlens_q, cu_seqlens_k):
+    def _launch(self, drv, pointers, stream):
+        do, q, k, v, o, l, m, dq, dk, dv, workspace = pointers[:11]
         outs = (dq, dk, dv)
         if self.zero_grads:
             for ptr, grad in zip(outs, self.grads):
@@ -84,11 +81,11 @@ class BackwardPlan:
             return
         accs = [ptr if g.kind == "direct" else workspace + g.offset for ptr, g in zip(outs, self.grads)]
         lse2, delta = workspace, workspace + self.delta_offset
+        inputs = pointers[1:7]  # q, k, v, o, l, m
         for block in self.fwd_blocks:
-            block[0:6] = (q, k, v, o, l, m)
+            block[0:6] = inputs
             if self.varlen:
-                word = _params.CU_SEQLENS_WORD
-                block[word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
+                block[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] = pointers[11:]
         self.bwd_block[0:9] = (do, o, l, m, lse2, delta, *accs)
         if self.zero is not None:
             _driver.check(drv.memset_async(accs[0], self.zero, stream), "cudaMemsetAsync")

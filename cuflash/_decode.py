@@ -1,9 +1,12 @@
-"""Decoding: a few queries a head against a long, dense or paged, KV cache (kernels/flash_decode.cu).
+"""Decoding's plans: a few queries a head against a long, dense or paged, KV cache
+(kernels/flash_decode.cu).
 
-:func:`decode_attention` splits each (batch, k/v head)'s keys over CTAs, packs the query heads
-that share a k/v head into one tile of rows, and merges the splits' partial results exactly by
-their log-sum-exp. :func:`supports` says whether a call fits it; :func:`plan_decode` does every
-host-side check and choice without touching the GPU (what the CPU tests exercise).
+The split-KV kernels split each (batch, k/v head)'s keys over CTAs, pack the query heads that
+share a k/v head into one tile of rows, and merge the splits' partial results exactly by their
+log-sum-exp. :func:`supports` says whether a call fits them; :func:`plan_decode` does every
+host-side check and choice without touching the GPU (what the CPU tests exercise), and
+:class:`DecodePlan` binds its :class:`DecodeChoice` for launches. The CuPy entry point is
+cuflash._api.decode_attention; cuflash.attention routes to it by :func:`routes_short_queries`.
 
 Values in device memory are never read on the host (no synchronisation): lengths
 (``seqlens_k``) are clamped to [0, capacity] inside the kernel, where capacity is Nk (dense) or
@@ -32,8 +35,9 @@ _recent = PLANS.recent.get  # the plan cache's hit path (cuflash/_cache.py)
 # unused there): with that slack every position it forms stays under 2^31.
 MAX_KEY_POSITION = 2**31 - 1 - (_constants.DECODE_PAGE_SLOTS + 2) * _tiles.DECODE_MAX_TILE_KEYS
 
-class DecodePlan(NamedTuple):
-    """Everything :func:`decode_attention` decides from shapes, strides and the GPU's size."""
+class DecodeChoice(NamedTuple):
+    """Everything a decoding call decides from shapes, strides and the GPU's size (what
+    :class:`DecodePlan` binds)."""
 
     variant: _variants.SplitKvDecode
     combine: Optional[_variants.DecodeCombine]  # None with one split: the kernel writes o, l, m
@@ -144,10 +148,10 @@ def _band(causal: bool, window) -> Tuple[int, int]:
 
 
 def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:
-    """Whether :func:`decode_attention` takes this call: 1 to MAX_DECODE_QUERIES queries a head,
-    float16 / bfloat16, head dims (multiples of 8) up to 128, no block mask, and a layout it
-    reads (see :func:`decode_attention`). With a ``page_table`` call decode_attention
-    directly: its errors say what is wrong."""
+    """Whether the split-KV kernels take this call: 1 to MAX_DECODE_QUERIES queries a head,
+    float16 / bfloat16, head dims (multiples of 8) up to 128, no block mask, and a layout they
+    read (see :func:`plan_decode`). With a ``page_table`` call plan_decode directly: its errors
+    say what is wrong."""
     if block_mask is not None:
         return False
     try:
@@ -226,8 +230,8 @@ def _plan_layout(q, k, v, page_table):
 
 
 def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=None, seqlens_k=None,
-                num_splits=None, sm_count: int = 132) -> DecodePlan:
-    """Every check and choice of :func:`decode_attention`, on the host only (arrays need
+                num_splits=None, sm_count: int = 132) -> DecodeChoice:
+    """Every check and choice of a decoding call, on the host only (arrays need
     shape, strides, dtype, ``data.ptr`` and ``device.id``; nothing is read from the GPU).
     ``sm_count``: the GPU's size, for choosing the number of splits (by default an H100's / H200's)."""
     dtype, layout = _plan_layout(q, k, v, page_table)
@@ -277,7 +281,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         scale=scale, scale_log2=scale * math.log2(math.e),
         window_left=window_left, window_right=window_right,
     )
-    return DecodePlan(
+    return DecodeChoice(
         variant=variant, num_splits=splits,
         combine=_config.decode_combine_config(dtype, num_bh * rows, sm_count) if splits > 1 else None,
         tiles_per_split=tiles_per_split, row_tiles=row_tiles, batch=batch, kv_heads=layout["kv_heads"],
@@ -289,44 +293,48 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
 # ---- the bound launch ---------------------------------------------------------------------
 
 
-class DecodeLaunch:
-    """A plan's launches with their parameter blocks bound once (cuflash/_driver.py's Kernel): a
-    call writes its pointers into the blocks and launches, packing nothing.
-
-    ``run`` takes raw pointers: q, k, v, o, l, m, the page table and lengths (0 = none), and
-    ``workspace``, the start of :attr:`workspace_bytes` of device memory for the splits'
+class DecodePlan(_launch.Plan):
+    """A decoding choice's launches with their parameter blocks bound once (cuflash/_driver.py's
+    Kernel): ``run((q, k, v, o, l, m, page_table, seqlens_k, workspace), stream)`` writes the
+    pointers into the blocks and launches, packing nothing. page_table and seqlens_k are 0 where
+    not given; ``workspace`` starts :attr:`workspace_bytes` of device memory for the splits'
     partial results (ignored with one split)."""
 
-    def __init__(self, plan: DecodePlan, device_id: int):
-        self.plan = plan
+    pointer_names = ("q", "k", "v", "o", "l", "m", "page_table", "seqlens_k", "workspace")
+
+    def __init__(self, choice: DecodeChoice, device_id: int):
+        self.choice = choice
+        self.device_id = device_id
         zero = {name: 0 for name, kind in _params.DECODE_PARAM_FIELDS if kind == "Q"}
         block = _driver.words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
-            {**plan.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
-        self.kernel = _driver.Kernel(plan.variant, device_id, _launch.slice_grid(plan.grid_x, plan.num_bh), [block],
-                                   plan.d, plan.dv)
-        self.ws_l_offset, self.ws_m_offset = plan.workspace_offsets  # ws_o, then ws_l, then ws_m
-        self.workspace_bytes = plan.workspace_bytes
+            {**choice.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
+        self.kernel = _driver.Kernel(choice.variant, device_id, _launch.slice_grid(choice.grid_x, choice.num_bh),
+                                     [block], choice.d, choice.dv)
+        self.ws_l_offset, self.ws_m_offset = choice.workspace_offsets  # ws_o, then ws_l, then ws_m
+        self.workspace_bytes = choice.workspace_bytes
         self.combine = None
-        if plan.combine is not None:
-            combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=plan.total_rows, dv=plan.dv,
-                           num_splits=plan.num_splits, scale=plan.fields["scale"],
-                           scale_log2=plan.fields["scale_log2"])
+        if choice.combine is not None:
+            combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=choice.total_rows, dv=choice.dv,
+                           num_splits=choice.num_splits, scale=choice.fields["scale"],
+                           scale_log2=choice.fields["scale_log2"])
             block = _driver.words(struct.pack(_params.fields_format(_params.COMBINE_PARAM_FIELDS), *(
                 combine[name] for name, _ in _params.COMBINE_PARAM_FIELDS)))
-            self.combine = _driver.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
+            # a CTA a row
+            self.combine = _driver.Kernel(choice.combine, device_id, (choice.total_rows, 1, 1), [block])
         self.ctx = _driver.device_context(device_id)
         self.lock = threading.Lock()
 
     def output_specs(self, dtype):
         """(specs, bytes) of o (in ``dtype``, q's), l, m and the splits' workspace (uint8) in one
         allocation (cuflash._arrays.output_specs)."""
-        stats = self.plan.out_shape[:-1]
-        return _arrays.output_specs(((self.plan.out_shape, dtype), (stats, np.float32), (stats, np.float32),
+        stats = self.choice.out_shape[:-1]
+        return _arrays.output_specs(((self.choice.out_shape, dtype), (stats, np.float32), (stats, np.float32),
                                      ((self.workspace_bytes,), np.uint8)))
 
-    def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
-        if self.plan.total_rows == 0:
+    def run(self, pointers, stream):
+        if self.choice.total_rows == 0:
             return
+        q, k, v, o, l, m, page_table, seqlens, workspace = pointers
         ws = (0, 0, 0)
         if self.combine is not None:
             ws = (workspace, workspace + self.ws_l_offset, workspace + self.ws_m_offset)
@@ -338,11 +346,11 @@ class DecodeLaunch:
                 self.combine.launch(drv, stream)
 
 
-def bound_launch(plan: DecodePlan, device_id: int) -> DecodeLaunch:
-    """The plan's :class:`DecodeLaunch` on ``device_id``, built once: kept with the plan, so
-    that the plan's id is not reused while the entry lives."""
-    return PLANS.get_or_build(("decode", id(plan), device_id), _kept_launch, plan, device_id)[1]
+def bound_plan(choice: DecodeChoice, device_id: int) -> DecodePlan:
+    """The :class:`DecodePlan` of a choice on ``device_id``, built once: kept with the choice, so
+    that the choice's id is not reused while the entry lives."""
+    return PLANS.get_or_build(("decode", id(choice), device_id), _kept_plan, choice, device_id)[1]
 
 
-def _kept_launch(plan: DecodePlan, device_id: int) -> tuple:
-    return plan, DecodeLaunch(plan, device_id)
+def _kept_plan(choice: DecodeChoice, device_id: int) -> tuple:
+    return choice, DecodePlan(choice, device_id)

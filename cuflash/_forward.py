@@ -13,12 +13,14 @@ from ._broadcast import broadcast_layout
 from ._driver import Context
 
 
-class ForwardPlan:
-    """One forward problem's launch: ``run(q, k, v, o, l, m, stream)`` on raw pointers (and a
-    varlen batch's cu_seqlens_q, cu_seqlens_k)."""
+class ForwardPlan(_launch.Plan):
+    """One forward problem's launch: ``run((q, k, v, o, l, m), stream)`` on raw pointers (a
+    varlen batch's with cu_seqlens_q, cu_seqlens_k after them)."""
 
     def __init__(self, problem, o_shape, stats_shape, kernel=None, maps=None, fallback=None):
         self.problem = problem
+        self.pointer_names = ("q", "k", "v", "o", "l", "m") + (
+            ("cu_seqlens_q", "cu_seqlens_k") if problem.varlen is not None else ())
         self.device_id = problem.device
         self.dtype = problem.dtype
         self.o_shape, self.stats_shape = o_shape, stats_shape
@@ -30,31 +32,26 @@ class ForwardPlan:
         self.fallback = fallback  # builds the cp.async plan, for pointers the copy engine refuses
         self.ctx = _driver.device_context(problem.device)
         self.lock = threading.Lock()
-        self.varlen = problem.varlen is not None  # the launch reads cu_seqlens_q / cu_seqlens_k (run's last arguments)
+        self.varlen = problem.varlen is not None  # the launch reads cu_seqlens_q / cu_seqlens_k
 
     @property
     def variant(self):
         return None if self.kernel is None else self.kernel.variant
 
-    def check(self, q, k, v):
-        if self.vectors and (q | k | v) & 15:
-            for (name, shape, strides), ptr in zip(self.operands, (q, k, v)):
-                if ptr & 15:
-                    raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
-
-    def run(self, q, k, v, o, l, m, stream, cu_seqlens_q=0, cu_seqlens_k=0):
-        self.check(q, k, v)
+    def run(self, pointers, stream):
+        if self.vectors and (pointers[0] | pointers[1] | pointers[2]) & 15:
+            self.check_alignment(pointers)
         kernel = self.kernel
         if kernel is None:
             return
         with self.lock:
-            if self.maps is not None and not self.maps.bind((q, k, v)):
-                plan = self.fallback()
-                return plan.run(q, k, v, o, l, m, stream, cu_seqlens_q, cu_seqlens_k)
-            kernel.params[0][0:6] = (q, k, v, o, l, m)
+            if self.maps is not None and not self.maps.bind(pointers[:3]):
+                return self.fallback().run(pointers, stream)
             if self.varlen:
-                word = _params.CU_SEQLENS_WORD
-                kernel.params[0][word:word + 2] = (cu_seqlens_q, cu_seqlens_k)
+                kernel.params[0][0:6] = pointers[:6]
+                kernel.params[0][_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] = pointers[6:]
+            else:
+                kernel.params[0][0:6] = pointers
             with Context(self.ctx) as drv:
                 kernel.launch(drv, stream)
 

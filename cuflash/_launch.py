@@ -37,6 +37,29 @@ def grid_tiles(longest: int, total: int, tile: int) -> int:
     return max(1, -(-min(longest, total) // tile))
 
 
+class Plan:
+    """What every plan is (cuflash/_forward.py's, _backward.py's, _decode.py's): what a problem
+    decided, its launches bound once on one device. ``run(pointers, stream)`` checks a call's
+    raw pointers (the order ``pointer_names`` gives), writes them into the bound launches and
+    launches them on ``stream``. The caller allocates the outputs, and ``workspace_bytes`` of
+    device memory where a plan takes a pointer named 'workspace'."""
+
+    pointer_names: tuple = ()
+    workspace_bytes: int = 0
+    device_id: int
+
+    def run(self, pointers: tuple, stream: int):
+        raise NotImplementedError
+
+    def check_alignment(self, pointers):
+        """The error a misaligned input gets (16-byte vector loads): ``pointers`` in the order
+        of ``self.operands`` (name, shape, element strides), of dtype ``self.dtype``."""
+        if self.dtype != "float32":
+            for (name, shape, strides), ptr in zip(self.operands, pointers):
+                if ptr & 15:
+                    raise _checks.vector_alignment_error(name, shape, strides, ptr, self.dtype)
+
+
 class Geometry(NamedTuple):
     """What a plan's builder derived from its problem, its checks done, for binding the kernels
     it chose (cuflash/_forward.py, _backward.py)."""

@@ -2,9 +2,10 @@
 
 A front end (the CuPy API in cuflash/_api.py, cuflash/torch.py, cuflash/jax.py) turns its
 arrays into a :class:`~cuflash._problem.Problem` with the functions here (which run the checks
-every front end shares), asks for its plan (:func:`forward` / :func:`backward`, or the decoding
-plans), allocates the outputs its own way and calls the plan's ``run`` with raw pointers and its
-stream. Everything a signature decides is decided once, when its plan is built: the plans
+every front end shares), asks for its plan (:func:`forward` / :func:`backward`, or a decoding
+call's: :func:`routed`, :func:`decode_plan`), allocates the outputs its own way and calls the
+plan's ``run(pointers, stream)``: every plan is a :class:`~cuflash._launch.Plan`, its pointers
+named by its ``pointer_names``. Everything a signature decides is decided once, when its plan is built: the plans
 (cuflash/_forward.py, _backward.py, _decode.py) validate, ask cuflash/_config.py for the kernels
 (the fallbacks named in its answer) and bind every launch; the one plan cache
 (cuflash/_cache.py) keeps them. This module is the front ends' one door to that: what they need
@@ -20,19 +21,21 @@ from ._broadcast import out_lead_shape
 from ._cache import PLANS, clear, plan_counts
 from ._checks import (NO_WINDOW, as_block_mask, check_cu_seqlens, check_dtypes, check_like_q,
                       check_max_seqlen, check_varlen_options, check_varlen_shapes, dtype_name, vector_alignment_error)
-from ._decode import DecodePlan, bound_launch, check_num_splits, plan_decode, routes_short_queries
+from ._decode import DecodeChoice, DecodePlan, bound_plan, check_num_splits, plan_decode, routes_short_queries
 from ._forward import ForwardPlan, build_forward
+from ._launch import Plan
 from ._problem import Problem, Varlen
 from .masks import window_option
 
 # What the front ends take from here: the functions below, and these names of the layers below.
 __all__ = [
-    "forward_problem", "backward_problem", "check_traced", "forward", "backward", "routed", "decode_launch",
-    "sm_count", "on_device", "Problem", "Varlen", "ForwardPlan", "BackwardPlan", "DecodePlan", "PLANS", "clear",
+    "forward_problem", "backward_problem", "check_traced", "forward", "backward", "routed", "decode_plan",
+    "sm_count", "on_device", "Problem", "Varlen", "Plan", "ForwardPlan", "BackwardPlan", "DecodeChoice", "DecodePlan",
+    "PLANS", "clear",
     "plan_counts", "AttentionOutput", "AttentionGradients", "align", "contiguous_strides", "longest_sequence",
     "NO_WINDOW", "as_block_mask", "window_option", "check_cu_seqlens", "check_dtypes", "check_like_q",
     "check_max_seqlen", "check_varlen_options", "check_varlen_shapes", "dtype_name", "vector_alignment_error",
-    "bound_launch", "check_num_splits", "plan_decode", "routes_short_queries",
+    "bound_plan", "check_num_splits", "plan_decode", "routes_short_queries",
 ]
 # ---- problems ----------------------------------------------------------------------------------
 
@@ -89,23 +92,23 @@ def backward(problem: Problem, ptrs) -> BackwardPlan:
 
 
 def routed(q, k, v, problem: Problem):
-    """The bound decoding launch that runs a forward problem of a few queries a head against
-    many keys (:func:`cuflash._decode.routes_short_queries`, the rule of _config), or None.
+    """The decoding plan that runs a forward problem of a few queries a head against many keys
+    (:func:`cuflash._decode.routes_short_queries`, the rule of _config), or None.
     q, k, v: what cuflash/_decode.py reads of arrays (shape, byte strides, dtype, ``data.ptr``,
     ``device.id``)."""
     if problem.varlen is not None or not routes_short_queries(q, k, v, problem.mask):
         return None
-    plan = plan_decode(q, k, v, causal=problem.causal, scale=problem.scale, window=problem.window,
-                       sm_count=_driver.sm_count(problem.device))
-    return bound_launch(plan, problem.device)
+    choice = plan_decode(q, k, v, causal=problem.causal, scale=problem.scale, window=problem.window,
+                         sm_count=_driver.sm_count(problem.device))
+    return bound_plan(choice, problem.device)
 
 
-def decode_launch(q, k, v, page_table, seqlens_k, *, causal, scale, window, num_splits, device: int):
-    """The bound decoding launch of a call with decoding arguments (arrays as :func:`routed` reads
-    them; page_table and seqlens_k None where not given)."""
-    plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                       seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_driver.sm_count(device))
-    return bound_launch(plan, device)
+def decode_plan(q, k, v, page_table, seqlens_k, *, causal, scale, window, num_splits, device: int) -> DecodePlan:
+    """The decoding plan of a call with decoding arguments (arrays as :func:`routed` reads them;
+    page_table and seqlens_k None where not given)."""
+    choice = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
+                         seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_driver.sm_count(device))
+    return bound_plan(choice, device)
 
 
 def sm_count(device: int) -> int:

@@ -126,8 +126,8 @@ def _run_forward(ctx, outs, q, k, v, options, lengths=None, cu_seqlens=()):
     """cu_seqlens: the (cu_seqlens_q, cu_seqlens_k) buffers of a varlen call (lengths given)."""
     plan = _forward_plan(q, k, v, _device_of(outs[0]), options, lengths)
     o, l, m = outs
-    plan.run(_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m), ctx.stream,
-             *(_pointer(c) for c in cu_seqlens))
+    plan.run((_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m),
+              *(_pointer(c) for c in cu_seqlens)), ctx.stream)
 
 
 def _run_backward(ctx, outs, args, options, deterministic, lengths=None):
@@ -142,7 +142,7 @@ def _run_backward(ctx, outs, args, options, deterministic, lengths=None):
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = 0 if workspace is None else workspace.ptr
         grads = [0 if g.kind == "generic" else _pointer(out) for g, out in zip(plan.grads, outs)]
-        plan.run(*(_pointer(a) for a in args[:7]), *grads, base, ctx.stream, *(_pointer(c) for c in args[7:]))
+        plan.run((*(_pointer(a) for a in args[:7]), *grads, base, *(_pointer(c) for c in args[7:])), ctx.stream)
         for g, out in zip(plan.grads, outs):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy, copied into XLA's buffer
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
@@ -227,7 +227,7 @@ def _gpu_size(device):
 
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")
-# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodePlan, callback)
+# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodeChoice, callback)
 # in the plan cache: the split count, hence the workspace output's size, is fixed when the call
 # is traced.
 
@@ -253,7 +253,7 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
 
 
 def _traced_decode(arrays, device, options, forward_options):
-    """(DecodePlan, callback) of a decoding call's traced arrays."""
+    """(DecodeChoice, callback) of a decoding call's traced arrays."""
     causal, scale, window, num_splits = options
     meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0)
             for name, x in arrays.items()}
@@ -297,8 +297,8 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
             raise _spine.vector_alignment_error(name, x.shape, _spine.contiguous_strides(x.shape), x.data.ptr,
                                                 _spine.dtype_name(x.dtype))
     pointers = [0 if arrays.get(name) is None else arrays[name].data.ptr for name in _DECODE_INPUTS]
-    _spine.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
-                                           0 if workspace is None else workspace.data.ptr, _xla_stream(ctx))
+    _spine.bound_plan(plan, device).run((*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
+                                         0 if workspace is None else workspace.data.ptr), _xla_stream(ctx))
 
 
 def _batched_decode_plan(arrays, num_splits, options):

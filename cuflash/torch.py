@@ -63,7 +63,7 @@ def _forward_impl(q, k, v, causal, scale, mask, window):
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+    plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr()),
              _raw_stream(device.index))
     return o, l, m
 
@@ -107,13 +107,14 @@ def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
     decoding kernels, as cuflash.attention routes them (_spine.routed)."""
     plan, launch = _forward_plan(q, k, v, causal, scale, mask, window, route)
     if launch is not None:
-        plan.check(q.data_ptr(), k.data_ptr(), v.data_ptr())  # the alignment error the forward gives
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            plan.check_alignment((q.data_ptr(), k.data_ptr(), v.data_ptr()))  # the error the forward gives
         return (*_decode_run(launch, q, k, v, None, None), plan)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     stats = torch.empty(2 * plan.stats_rows, dtype=torch.float32, device=device)
     l = stats.data_ptr()
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * plan.stats_rows,
+    plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * plan.stats_rows),
              _raw_stream(device.index))
     return o, stats, plan
 
@@ -160,8 +161,8 @@ def _varlen_forward_impl(q, k, v, causal, scale, window, cu_q, cu_k, max_seqlen_
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
-             _raw_stream(device.index), cu_q.data_ptr(), cu_k.data_ptr())
+    plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(), cu_q.data_ptr(),
+              cu_k.data_ptr()), _raw_stream(device.index))
     return o, l, m
 
 
@@ -177,34 +178,34 @@ def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # planning again raises the alignment error
         key = launch = None
     if launch is None:
-        launch = PLANS.get_or_build(key, _decode_launch, tensors, causal, scale, window, num_splits)
+        launch = PLANS.get_or_build(key, _decode_plan, tensors, causal, scale, window, num_splits)
     return _decode_run(launch, q, k, v, page_table, seqlens_k)
 
 
-def _decode_launch(tensors, causal, scale, window, num_splits):
-    """The bound decoding launch of (q, k, v, page_table, seqlens_k), planned on zero-copy views."""
+def _decode_plan(tensors, causal, scale, window, num_splits):
+    """The DecodePlan of (q, k, v, page_table, seqlens_k), planned on zero-copy views."""
     import cupy
 
     device = _check_cuda(*(t for t in tensors if t is not None))
     with cupy.cuda.Device(device.index):
         views = [None if t is None else _views.torch_view(t, same_stream=True) for t in tensors]
-        return _spine.decode_launch(*views, causal=causal, scale=scale, window=window, num_splits=num_splits,
+        return _spine.decode_plan(*views, causal=causal, scale=scale, window=window, num_splits=num_splits,
                                     device=device.index)
 
 
 def _decode_run(launch, q, k, v, page_table, seqlens_k):
-    """o and the statistics buffer (as _forward_with_plan's) of one decoding call; the buffer's
-    tail past the statistics is the launch's workspace: two allocations a call."""
-    plan, device = launch.plan, q.device
-    o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
-    rows = math.prod(plan.out_shape[:-1])
+    """o and the statistics buffer (as _forward_with_plan's) of one call of the DecodePlan
+    ``launch``; the buffer's tail past the statistics is its workspace: two allocations a call."""
+    choice, device = launch.choice, q.device
+    o = torch.empty(choice.out_shape, dtype=q.dtype, device=device)
+    rows = math.prod(choice.out_shape[:-1])
     workspace_at = _spine.align(8 * rows)  # bytes: l and m, then the workspace
     floats = (workspace_at + launch.workspace_bytes) // 4 if launch.workspace_bytes else 2 * rows
     stats = torch.empty(floats, dtype=torch.float32, device=device)
     l = stats.data_ptr()
-    launch.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * rows,
-               0 if page_table is None else page_table.data_ptr(), 0 if seqlens_k is None else seqlens_k.data_ptr(),
-               l + workspace_at if launch.workspace_bytes else 0, _raw_stream(device.index))
+    launch.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * rows,
+                0 if page_table is None else page_table.data_ptr(), 0 if seqlens_k is None else seqlens_k.data_ptr(),
+                l + workspace_at if launch.workspace_bytes else 0), _raw_stream(device.index))
     return o, stats
 
 
@@ -285,8 +286,8 @@ def _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens):
              for g in plan.grads]
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device) if plan.workspace_bytes else None
     base = 0 if workspace is None else workspace.data_ptr()
-    plan.run(do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, m,
-             *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index), *cu_seqlens)
+    plan.run((do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, m,
+              *(0 if g is None else g.data_ptr() for g in grads), base, *cu_seqlens), _raw_stream(device.index))
     for index, g in enumerate(plan.grads):
         if g.kind == "generic":  # broadcast inputs: summed back by torch
             acc = workspace[g.offset:g.offset + 4 * math.prod(g.acc_shape)].view(torch.float32).view(g.acc_shape)

@@ -197,7 +197,7 @@ def host_view(ptr, shape, dtype, strides=None):
 
 
 class KernelModel:
-    """Stands in for the kernels' bound launches (_spine.bound_launch) and the forward's
+    """Stands in for the kernels' bound plans (_spine.bound_plan) and the forward's
     launch: reads the buffers as the kernels do, from raw pointers with the plan's shapes and
     strides, computes what the kernels compute in float64, writes it into the output buffers
     and records each launch."""
@@ -205,16 +205,16 @@ class KernelModel:
     def __init__(self):
         self.decodes, self.forwards = [], []
 
-    def bound_launch(self, plan, device_id):
+    def bound_plan(self, plan, device_id):
         model = self
 
-        class Launch:
+        class Plan:
             workspace_bytes = plan.workspace_bytes
 
-            def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
-                model.run(plan, q, k, v, o, l, m, page_table, seqlens, workspace)
+            def run(self, pointers, stream):
+                model.run(plan, *pointers)
 
-        return Launch()
+        return Plan()
 
     def run(self, plan, q, k, v, o, l, m, page_table, seqlens, workspace):
         f = plan.fields
@@ -275,7 +275,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(cj, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
     monkeypatch.setattr(cj, "_xla_stream", lambda ctx: 0)
     monkeypatch.setattr(cj, "_run_forward", model.run_forward)
-    monkeypatch.setattr(_spine, "bound_launch", model.bound_launch)
+    monkeypatch.setattr(_spine, "bound_plan", model.bound_plan)
     with jax.default_device(jax.devices("cpu")[0]):
         yield model
 

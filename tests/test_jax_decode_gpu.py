@@ -37,19 +37,20 @@ def poisoned_outputs(monkeypatch):
 
     from cuflash import _checks, _driver
 
-    run = _decode.DecodeLaunch.run
+    run = _decode.DecodePlan.run
 
-    def poisoning(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
-        rows = math.prod(self.plan.out_shape[:-1])
-        sizes = ((o, rows * self.plan.dv * _checks.itemsize(self.plan.variant.dtype)), (l, 4 * rows), (m, 4 * rows),
-                 (workspace, self.workspace_bytes))
+    def poisoning(self, pointers, stream):
+        q, k, v, o, l, m, page_table, seqlens, workspace = pointers
+        rows = math.prod(self.choice.out_shape[:-1])
+        sizes = ((o, rows * self.choice.dv * _checks.itemsize(self.choice.variant.dtype)), (l, 4 * rows),
+                 (m, 4 * rows), (workspace, self.workspace_bytes))
         with _driver.Context(self.ctx):
             for ptr, nbytes in sizes:
                 if ptr and nbytes:
                     cupy.cuda.runtime.memsetAsync(ptr, 0xFF, nbytes, stream)
-        return run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream)
+        return run(self, pointers, stream)
 
-    monkeypatch.setattr(_decode.DecodeLaunch, "run", poisoning)
+    monkeypatch.setattr(_decode.DecodePlan, "run", poisoning)
 
 
 class _OnHost:

@@ -4,10 +4,13 @@ receive."""
 
 import ctypes
 import struct
+import types
 
+import ml_dtypes
+import numpy as np
 import pytest
 
-from cuflash import _cache, _config, _driver, _launch, _loader, _params, _spine, _tiles, _tma, _variants
+from cuflash import _cache, _config, _decode, _driver, _launch, _loader, _params, _spine, _tiles, _tma, _variants
 
 
 class _FakeDriver:
@@ -141,8 +144,8 @@ def test_switches_build_new_plans(fake_gpu):
 
 def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):
     plan = _forward()
-    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=42)
-    plan.run(0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100, stream=43)
+    plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 42)
+    plan.run((0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100), 43)
     first, second = fake_gpu.launches
     assert first["params"][0][:6] == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000)
     assert second["params"][0][:6] == (0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100)
@@ -164,7 +167,7 @@ def test_packed_batches_take_the_persistent_grid_where_dense_ones_do(fake_gpu, d
     shape = (heads, total, d)
     plan = _forward_problem_plan((shape,) * 3, (_contiguous(shape),) * 3, "bfloat16", (0x1000, 0x20000, 0x40000),
                                  causal=True, varlen=_spine.Varlen(seqs, longest))
-    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 42, 0x7000, 0x8000)
+    plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000, 0x8000), 42)
     (launch,) = fake_gpu.launches
     tiles = -(-longest // 128)
     assert plan.kernel.variant.varlen and plan.kernel.variant.persistent == persistent
@@ -188,9 +191,9 @@ def test_maps_are_encoded_once_per_pointer_triple_when_not_patchable(fake_gpu, m
     assert not plan.maps.patchable
     calls.clear()
     for _ in range(3):
-        plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+        plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
     assert calls == [0x1000, 0x2000, 0x3000]  # encoded for the first run only
-    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+    plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
     assert len(calls) == 3
 
 
@@ -199,7 +202,7 @@ def test_misaligned_pointers_get_the_same_error_cached_or_not(fake_gpu):
         _forward(ptrs=(0x1008, 0x20000, 0x40000))
     plan = _forward()
     with pytest.raises(ValueError, match=r"q must be 16-byte aligned.*address 0x1008") as cached:
-        plan.run(0x1008, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+        plan.run((0x1008, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
     assert str(fresh.value) == str(cached.value)
     assert not fake_gpu.launches
 
@@ -264,7 +267,7 @@ def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
     assert _backward() is plan and _cache.plan_counts() == (0, 1)
     kinds = [g.kind for g in plan.grads]
     assert kinds == ["reduce", "direct", "direct"]  # dK, dV written in place; dQ from float32
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000), 5)
     assert fake_gpu.memsets == []  # the preprocess (the first launch) zeroes the accumulator
     assert isinstance(plan.kernels[0].variant, _variants.BackwardPreprocess) and plan.kernels[0].params[1] is plan.bwd_block
     block = list(plan.bwd_block)  # struct BwdParams: dq_acc, ..., zero_dq_acc
@@ -284,7 +287,7 @@ def test_backward_key_pass_loads_through_tensor_maps(fake_gpu):
     plan = _backward_problem_plan(shapes, strides, "bfloat16", stats, (0x1000,) * 5, causal=True)
     key_pass = _key_pass(plan)
     assert key_pass.variant.tma and len(key_pass.params) == 3
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000), 5)
     maps = list(key_pass.params[2])
     assert maps[0:64:16] == [0x2000, 0x3000, 0x4000, 0x1000]  # q, k, v, dO
     geometry = [maps[16 * i + 1:16 * i + 7] for i in range(4)]  # (cols, rows, row stride, slice stride, count, box)
@@ -306,7 +309,7 @@ def test_packed_backward_maps_span_every_row_of_a_head(fake_gpu):
                                   varlen=_spine.Varlen(3, 400, 400))
     key_pass = _key_pass(plan)
     assert key_pass.variant.varlen and key_pass.variant.tma
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5, 0x200000, 0x300000)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000, 0x200000, 0x300000), 5)
     maps = list(key_pass.params[2])
     assert maps[0:64:16] == [0x2000, 0x3000, 0x4000, 0x1000]  # q, k, v, dO
     geometry = [maps[16 * i + 1:16 * i + 7] for i in range(4)]
@@ -335,7 +338,7 @@ def test_backward_pointers_the_copy_engine_refuses_run_the_cp_async_form(fake_gp
 
     def key_pass_funcs(call):
         fake_gpu.launches.clear()
-        plan.run(*call, 0x100000, 5)
+        plan.run((*call, 0x100000), 5)
         return [x["func"] for x in fake_gpu.launches]
 
     mappable = tuple(0x1000 * (i + 1) for i in range(10))
@@ -351,7 +354,7 @@ def test_backward_pointers_the_copy_engine_refuses_run_the_cp_async_form(fake_gp
 def test_grouped_heads_sum_dk_dv_in_the_reduce_kernel(fake_gpu):
     plan = _backward(kv_shape=(2, 2, 256, 64))
     assert [(g.kind, g.group) for g in plan.grads] == [("reduce", 1), ("reduce", 2), ("reduce", 2)]
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000), 5)
     dk_reduce = fake_gpu.launches[-2]["params"][0][:5]
     assert dk_reduce[1:] == (0x9000, 2, 256 * 64, 4)  # (B * Hk) slices, each summed over 2 heads
 
@@ -395,7 +398,7 @@ def test_broadcast_q_is_left_to_the_framework(fake_gpu):
 
 def test_empty_problems_zero_the_gradients(fake_gpu):
     plan = _backward(shape=(2, 4, 0, 64), kv_shape=(2, 4, 256, 64))
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0), 5)
     assert not fake_gpu.launches and len(fake_gpu.memsets) == 2  # dq has no elements
 
 
@@ -406,7 +409,7 @@ def test_a_failed_launch_names_the_variant(fake_gpu, monkeypatch):
                         lambda status, out: setattr(out._obj, "value", b"CUDA_ERROR_ILLEGAL_ADDRESS") or 0,
                         raising=False)
     with pytest.raises(RuntimeError, match=rf"launching {plan.variant.key} failed: CUDA_ERROR_ILLEGAL_ADDRESS \(700\)"):
-        plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+        plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
 
 
 def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
@@ -437,3 +440,31 @@ def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
                              else [])  # asked with the tiles it decides for, and only where it decides
     dense = _config.forward_config("bfloat16", 64, 64, False, wgmma=True, nq=n, row_tiles=lambda br, bc: 1)
     assert not dense.persistent  # row_tiles speaks for block-sparse launches only
+
+
+def test_every_plan_runs_on_named_pointers(fake_gpu):
+    """Forward, backward and decoding plans are one type: run(pointers, stream), the pointers in
+    the order pointer_names gives (a varlen batch's boundaries last)."""
+    shape = (4, 2500, 64)
+    packed = _forward_problem_plan((shape,) * 3, (_contiguous(shape),) * 3, "bfloat16", (0x1000,) * 3,
+                                   varlen=_spine.Varlen(3, 1000))
+    plans = {_forward(): ("q", "k", "v", "o", "l", "m"),
+             packed: ("q", "k", "v", "o", "l", "m", "cu_seqlens_q", "cu_seqlens_k"),
+             _backward(): ("do", "q", "k", "v", "o", "l", "m", "dq", "dk", "dv", "workspace")}
+    choice = _decode.plan_decode(*(_HostMeta((2, 8, s, 64)) for s in (1, 4096, 4096)), sm_count=132)
+    plans[_spine.bound_plan(choice, 0)] = ("q", "k", "v", "o", "l", "m", "page_table", "seqlens_k", "workspace")
+    for plan, names in plans.items():
+        assert isinstance(plan, _launch.Plan) and plan.pointer_names == names
+        fake_gpu.launches.clear()
+        plan.run(tuple(0x10000 * (i + 1) for i in range(len(names))), 9)
+        assert fake_gpu.launches and all(x["stream"] == 9 for x in fake_gpu.launches)
+
+
+class _HostMeta:
+    """What the decoding checks read of a C-contiguous bfloat16 array at a 16-byte aligned address."""
+
+    def __init__(self, shape):
+        self.shape, self.ndim, self.dtype = shape, len(shape), np.dtype(ml_dtypes.bfloat16)
+        self.strides = tuple(2 * s for s in _contiguous(shape))
+        self.data, self.device = types.SimpleNamespace(ptr=0x1000), types.SimpleNamespace(id=0)
+        self.flags = types.SimpleNamespace(c_contiguous=True)
