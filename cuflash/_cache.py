@@ -3,8 +3,8 @@
 Each entry is keyed by a tuple whose first item names its kind: a plan by its signature
 (``("forward", ...)``, ``("backward", ...)``, ``("decode", ...)``), or a front end's shortcut
 from the raw arguments of a call it has seen (``("cupy forward", shapes, byte strides, ...)``),
-which lets a repeated call skip even the normalisation of its arguments. Every key names the
-device its plan launches on. Plans hold what a signature decides on one device under the
+which lets a repeated call skip even the normalisation of its arguments. A key names the
+device wherever what it holds is bound to one. Plans hold what a signature decides under the
 choices in force (cuflash/_config.py): when a switch or a tile override changes those choices
 (``_config.bump_generation``), the cache empties, so no plan of another generation is found.
 

@@ -48,11 +48,11 @@ LAYERS = (
     ("fixed numbers and views", {"_constants", "_tiles", "_params", "_tma", "_views"}),
     ("kernel variants, broadcasting, masks, the reference", {"_variants", "_broadcast", "masks", "reference"}),
     ("checks, choices, compilation, arrays, problems", {"_checks", "_config", "_loader", "_arrays", "_merge",
-                                                        "_problem"}),
+                                                        "_problem", "_validate"}),
     ("driver and plan cache", {"_driver", "_cache"}),
     ("plans", {"_launch", "_forward", "_backward", "_decode"}),
     ("spine", {"_spine"}),
-    ("front ends", {"__init__", "_api", "torch", "jax"}),
+    ("front ends", {"__init__", "_api", "_entry_points", "torch", "jax"}),
     ("integrations and tools", {"transformers", "distributed", "bench", "compile_check"}),
 )
 LAYER_OF = {node: rank for rank, (_, nodes) in enumerate(LAYERS) for node in nodes}
