@@ -305,6 +305,7 @@ class DecodePlan(_launch.Plan):
     def __init__(self, choice: DecodeChoice, device_id: int):
         self.choice = choice
         self.device_id = device_id
+        self.total_rows = choice.total_rows  # 0: nothing to launch
         zero = {name: 0 for name, kind in _params.DECODE_PARAM_FIELDS if kind == "Q"}
         block = _driver.words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
             {**choice.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
@@ -332,7 +333,7 @@ class DecodePlan(_launch.Plan):
                                      ((self.workspace_bytes,), np.uint8)))
 
     def run(self, pointers, stream):
-        if self.choice.total_rows == 0:
+        if not self.total_rows:
             return
         q, k, v, o, l, m, page_table, seqlens, workspace = pointers
         ws = (0, 0, 0)
