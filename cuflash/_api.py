@@ -1,210 +1,69 @@
-"""cuflash.attention and cuflash.attention_backward on CuPy arrays.
+"""The CuPy front end: cuflash.attention and cuflash.attention_backward on CuPy arrays.
 
-A call takes its arrays zero-copy, looks up the launch plan of its signature (cuflash/_plan.py
-builds one the first time, with every argument check), allocates its outputs from CuPy's pool
-and hands the plan their pointers and CuPy's current stream.
+A call takes its arrays zero-copy and finds the plan of its signature in the plan cache by its
+raw arguments (cuflash/_cache.py); the first call of a signature turns them into a problem and
+asks the spine (cuflash/_spine.py) for its plan, which runs every argument check. The call then
+allocates its outputs from CuPy's pool and hands the plan their pointers and CuPy's current
+stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _broadcast, _checks, _config, _decode, _plan, _views
-from ._checks import as_block_mask
-from .masks import window_option
+from . import _broadcast, _spine
+from ._arrays import (AttentionGradients, AttentionOutput, as_cupy, element_strides, extent, given_outputs,
+                      new_outputs, one_device, output_specs, stream_on)
+
+# The plan cache's hit path. A call's raw arguments (shapes, byte strides, dtypes, devices,
+# options) find its entry: a call repeating a signature skips even the normalisation of its
+# arguments. Arguments that cannot be hashed (a boolean array as block_mask, a list as window)
+# take the normalising path every time.
+_recent = _spine.PLANS.recent.get
 
 
-class AttentionOutput(NamedTuple):
-    """What :func:`attention` returns.
+class _Call(NamedTuple):
+    """The CuPy front end's entry for a signature: its plan, and what this front end made for
+    it once: its outputs' one-allocation layout and its inputs' byte extents (which
+    caller-given outputs must not overlap)."""
 
-    o: (..., Nq, dv), q's dtype.  l, m: (..., Nq), float32, where S = scale * q k^T with masked
-    entries excluded, ``m = max_j S``, ``l = sum_j exp(S - m)``; ``m + log(l)`` is the
-    log-sum-exp. A row with no allowed key has o = 0, l = 0, m = -inf.
-    """
-
-    o: Any
-    l: Any
-    m: Any
-
-
-# ---- inputs ------------------------------------------------------------------------------
-
-_DLPACK_CUDA_DEVICES = _checks._DLPACK_CUDA_DEVICES
+    plan: Any  # its ForwardPlan, BackwardPlan or (a decoding call's) DecodePlan
+    specs: tuple  # (specs, bytes) of cuflash._arrays.output_specs
+    extents: tuple  # ((name, (first, end) or None), ...) of the inputs
+    launch: Any = None  # the DecodePlan a forward signature is routed to, or None
+    given_specs: tuple = ()  # a backward's: the specs of all three gradients, for caller-given ones
 
 
-def as_cupy(x, name: str):
-    """Take a GPU array zero-copy as a cupy.ndarray, or raise TypeError naming ``name``."""
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return x
-    if isinstance(x, np.ndarray):
-        raise TypeError(
-            f"{name} is a NumPy array (host memory, shape {x.shape}, dtype {x.dtype}); cuflash "
-            f"needs a GPU array: pass cupy.asarray({name}) or a CUDA tensor"
-        )
-    if hasattr(x, "__dlpack__"):
-        if _views.is_cuda_tensor(x) and not x.requires_grad:
-            return _views.torch_view(x)
-        if hasattr(x, "__dlpack_device__"):
-            dev_type, _ = x.__dlpack_device__()
-            if int(dev_type) not in _DLPACK_CUDA_DEVICES:
-                raise TypeError(
-                    f"{name} ({type(x).__module__}.{type(x).__name__}) lives on DLPack device "
-                    f"type {int(dev_type)}, not on a CUDA GPU"
-                )
-        if getattr(x, "requires_grad", False):
-            raise TypeError(
-                f"{name} is a torch tensor that requires grad; use cuflash.torch.attention for "
-                f"autograd, or pass {name}.detach()"
-            )
-        return cupy.from_dlpack(x)
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    raise TypeError(
-        f"{name} must be a GPU array (cupy.ndarray or an object exporting __dlpack__ or "
-        f"__cuda_array_interface__), got {type(x).__module__}.{type(x).__name__}"
-    )
+def _extents(arrays, names) -> tuple:
+    return tuple((name, extent(x.shape, element_strides(x), x.dtype.itemsize)) for name, x in zip(names, arrays))
 
 
-def _element_strides(x) -> tuple:
-    itemsize = x.dtype.itemsize
-    return tuple(s // itemsize for s in x.strides)
+def _forward_call(q, k, v, causal, scale, block_mask, block_size, window, varlen=None) -> _Call:
+    """The entry of a forward signature (varlen: a packed batch's Varlen)."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    _spine.check_dtypes(*dtypes)  # before the devices, as cuflash has always checked them
+    device = one_device((q, k, v), "q, k and v")
+    mask = _spine.as_block_mask(block_mask, block_size)
+    problem = _spine.forward_problem((q.shape, k.shape, v.shape), (element_strides(q), element_strides(k),
+                                     element_strides(v)), dtypes, device, causal=causal, scale=scale, mask=mask,
+                                     window=_spine.window_option(window), varlen=varlen)
+    plan = _spine.forward(problem, (q.data.ptr, k.data.ptr, v.data.ptr))
+    launch = _spine.routed(q, k, v, problem)
+    if launch is None:
+        specs = output_specs(((plan.o_shape, q.dtype), (plan.stats_shape, np.float32), (plan.stats_shape, np.float32)))
+    else:
+        specs = launch.output_specs(q.dtype)
+    return _Call(plan, specs, _extents((q, k, v), ("q", "k", "v")), launch)
 
 
-def _one_device(arrays, what):
-    devices = [x.data.device_id for x in arrays]
-    if len(set(devices)) != 1:
-        raise ValueError(f"{what} must be on one device, got devices {devices}")
-    return devices[0]
-
-
-def _stream_on(device_id):
-    """CuPy's current stream on ``device_id`` as a pointer, and whether that device is current."""
-    import cupy
-
-    current = cupy.cuda.runtime.getDevice() == device_id
-    if current:
-        return cupy.cuda.get_current_stream().ptr, True
-    with cupy.cuda.Device(device_id):
-        return cupy.cuda.get_current_stream().ptr, False
-
-
-# ---- outputs -------------------------------------------------------------------------------
-
-
-def output_specs(shapes_and_dtypes) -> tuple:
-    """((shape, dtype, byte offset, C-contiguous byte strides, bytes), ...) of arrays laid out
-    one after another in one allocation (each start aligned by _plan.align), and the
-    allocation's size in bytes."""
-    specs, end = [], 0
-    for shape, dtype in shapes_and_dtypes:
-        dtype, shape = np.dtype(dtype), tuple(shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        strides = tuple(s * dtype.itemsize for s in _plan.contiguous_strides(shape))
-        specs.append((shape, dtype, end, strides, nbytes))
-        end += _plan.align(nbytes)
-    return tuple(specs), end
-
-
-def new_outputs(specs, nbytes: int) -> list:
-    """The arrays of :func:`output_specs` on the current device: one allocation from CuPy's
-    pool (one allocation costs the host less than one each), which every array keeps alive."""
-    import cupy
-
-    if not nbytes:
-        return [cupy.empty(spec[0], spec[1]) for spec in specs]
-    memory = cupy.cuda.alloc(nbytes)
-    return [cupy.ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset, _, _ in specs]
-
-
-def extent(shape, strides, itemsize: int):
-    """(first, end) byte offsets an array of ``shape`` and element ``strides`` touches from its
-    pointer, or None for an empty array."""
-    if not math.prod(shape):
-        return None
-    first = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
-    last = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
-    return first, last + itemsize
-
-
-def given_outputs(out, names, specs, device_id: int, inputs) -> list:
-    """``out`` (the caller's arrays for ``names``) as CuPy arrays, each checked against its
-    spec (shape, dtype, C-contiguous, on ``device_id``) and against overlapping another output
-    or one of ``inputs``: ((name, pointer, (first, end) or None), ...)."""
-    import cupy
-
-    if not isinstance(out, (tuple, list)) or len(out) != len(names):
-        raise TypeError(f"out must be a tuple ({', '.join(names)}) of {len(names)} arrays, got "
-                        f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
-    arrays = [x if type(x) is cupy.ndarray else as_cupy(x, f"out's {name}") for x, name in zip(out, names)]
-    spans = []
-    for x, (shape, dtype, _, strides, nbytes), name in zip(arrays, specs, names):
-        if (x.shape != shape or x.dtype != dtype or (x.strides != strides and not x.flags.c_contiguous)
-                or x.data.device_id != device_id):
-            _refuse_output(x, name, shape, dtype, device_id)
-        if nbytes:
-            start = x.data.ptr
-            spans.append((start, start + nbytes))
-    for i, (start, end) in enumerate(spans):
-        for j in range(i + 1, len(spans)):
-            if start < spans[j][1] and spans[j][0] < end:
-                raise ValueError(f"out's {names[i]} overlaps out's {names[j]}: outputs must not share memory "
-                                 f"with the inputs or with each other")
-        for other, ptr, span in inputs:
-            if span is not None and start < ptr + span[1] and ptr + span[0] < end:
-                raise ValueError(f"out's {names[i]} overlaps {other}: outputs must not share memory with the "
-                                 f"inputs or with each other")
-    return arrays
-
-
-def _refuse_output(x, name, shape, dtype, device_id):
-    if x.data.device_id != device_id:
-        raise ValueError(f"out's {name} is on device {x.data.device_id}, the inputs on device {device_id}")
-    raise ValueError(f"out's {name} must be a C-contiguous {dtype} array of shape {shape}, got shape "
-                     f"{x.shape}, dtype {x.dtype}, strides {x.strides}")
-
-
-def _forward_outputs(plan, q, k, v, out):
-    """o, l, m of a forward plan's call: new (one allocation) or the caller's, checked."""
-    specs = plan.cupy_outputs
-    if specs is None:
-        specs = plan.cupy_outputs = output_specs(((plan.o_shape, q.dtype), (plan.stats_shape, np.float32),
-                                                  (plan.stats_shape, np.float32)))
-    if out is None:
-        return new_outputs(*specs)
-    extents = plan.cupy_extents
-    if extents is None:
-        size = q.dtype.itemsize
-        extents = plan.cupy_extents = tuple((name, extent(shape, strides, size)) for name, shape, strides in plan.operands)
-    inputs = [(name, x.data.ptr, e) for (name, e), x in zip(extents, (q, k, v))]
-    return given_outputs(out, ("o", "l", "m"), specs[0], plan.device_id, inputs)
-
-
-# (argument shapes, strides, dtypes, devices, options) -> plan: a call repeating a signature
-# skips even the normalisation of its arguments. Arguments that cannot be hashed (a boolean
-# array as block_mask, a list as window) take the normalising path every time.
-_forward_calls: dict = {}
-_backward_calls: dict = {}
-# The shortest key range a call with few queries sends to the split-KV path. Measured on the
-# H200 (bench/NOTES.md, session 9; CUDA graphs, so GPU time alone), 1 query a head at batch 1-32:
-# the split-KV kernels beat the forward from 64 keys on (e.g. 4.2 against 7.5 us at 64 keys).
-DECODE_MIN_KEYS = 64
-
-
-def _forward_plan(q, k, v, causal, scale, block_mask, block_size, window):
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    device = _one_device((q, k, v), "q, k and v")
-    mask = as_block_mask(block_mask, block_size)
-    plan = _plan.forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
-                              _element_strides(v), dtype, device, causal, scale, mask, window_option(window),
-                              (q.data.ptr, k.data.ptr, v.data.ptr))
-    plan.decode = _decode.routes_short_queries(q, k, v, mask)
-    return plan
+def _checked(call: _Call, out, names, inputs, device_id):
+    """The caller's outputs ``out`` for ``names``, checked against the entry's layout and the
+    inputs' extents (``inputs``: the arrays in the entry's order)."""
+    spans = [(name, x.data.ptr, e) for (name, e), x in zip(call.extents, inputs)]
+    return given_outputs(out, names, call.specs[0][:len(names)], device_id, spans)
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, block_size=None,
@@ -259,11 +118,12 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
             page_size, d) (vLLM's and FlashInfer's (num_pages, page_size, Hk, d) pass as
             ``.swapaxes(1, 2)``), ``page_table`` int32 (batch, max_pages) and ``seqlens_k`` int32
             (batch,) on the device; ``seqlens_k`` alone gives per-sequence lengths of a dense
-            cache. Causal and window are aligned at each sequence's end. See
-            :func:`cuflash._decode.decode_attention` for the rules on out-of-range values.
-        num_splits: the split-KV decoding path's number of key splits (None: chosen from the
-            shapes and the SM count). Calls with 1-16 queries a head against at least 256 keys
-            (16-bit, head dims up to 128, no block mask) take that path on their own.
+            cache. Causal and window are aligned at each sequence's end. The host never reads
+            them: a length is clamped into [0, capacity] (Nk, or max_pages * page_size), and a
+            page index outside [0, num_pages) masks that page's keys instead of reading them.
+        num_splits: the split-KV decoding path's number of key splits, 1 to 256 (None: chosen
+            from the shapes and the SM count). Calls with 1-16 queries a head against at least
+            64 keys (16-bit, head dims up to 128, no block mask) take that path on their own.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch
             (as flash_attn_varlen_func): q (Hq, total_q, d), k (Hk, total_k, d), v (Hk,
             total_k, dv), and int32 device arrays of length batch + 1; sequence b owns rows
@@ -295,110 +155,130 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_mask=None, blo
 
     q, k, v = as_cupy(q, "q"), as_cupy(k, "k"), as_cupy(v, "v")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(block_mask, page_table, seqlens_k, num_splits)
+        _spine.check_varlen_options(block_mask, page_table, seqlens_k, num_splits)
         return _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, out)
-    try:
-        key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
-               q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
-               window, _config.GENERATION[0])
-        plan = _forward_calls.get(key)
-    except TypeError:  # an unhashable argument
-        key = plan = None
     if page_table is not None or seqlens_k is not None or num_splits is not None:
         if block_mask is not None:
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
                              "(the split-KV decoding path)")
         page_table = None if page_table is None else as_cupy(page_table, "page_table")
         seqlens_k = None if seqlens_k is None else as_cupy(seqlens_k, "seqlens_k")
-        return _decode.decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                                        seqlens_k=seqlens_k, num_splits=num_splits, out=out)
-    if plan is None:
-        plan = _forward_plan(q, k, v, causal, scale, block_mask, block_size, window)
-        if key is not None:
-            _plan.remember(_forward_calls, key, plan)
-    if plan.decode:
-        return _decode.run_routed(plan, q, k, v, causal, scale, window, out)
-    stream, current = _stream_on(plan.device_id)
+        return decode_attention(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
+                                seqlens_k=seqlens_k, num_splits=num_splits, out=out)
+    try:
+        key = ("cupy forward", q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype,
+               v.dtype, q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, block_mask, block_size,
+               window)
+        call = _recent(key)
+    except TypeError:  # an unhashable argument
+        key = call = None
+    if call is None:
+        call = _spine.PLANS.get_or_build(key, _forward_call, q, k, v, causal, scale, block_mask, block_size,
+                                         window)
+    plan, specs, _, launch, _ = call
+    if launch is not None:  # routed to the split-KV kernels
+        return _run_routed(call, q, k, v, out)
+    stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        o, l, m = _forward_outputs(plan, q, k, v, out)
-    plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream)
+        o, l, m = new_outputs(*specs) if out is None else _checked(call, out, ("o", "l", "m"), (q, k, v),
+                                                                    plan.device_id)
+    plan.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr), stream)
     return AttentionOutput(o, l, m)
+
+
+def _run_routed(call: _Call, q, k, v, out) -> AttentionOutput:
+    """A forward signature's call routed to the split-KV kernels (its entry's DecodePlan)."""
+    import cupy
+
+    plan = call.plan
+    if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
+        plan.check_alignment((q.data.ptr, k.data.ptr, v.data.ptr))  # the error the forward gives
+    if out is not None:
+        out = _checked(call, out, ("o", "l", "m"), (q, k, v), plan.device_id)
+    stream, current = stream_on(plan.device_id)
+    with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
+        return _run_launch(call.launch, call.specs, q, k, v, None, None, None, out, stream)
 
 
 # ---- packed variable-length batches --------------------------------------------------------
 
 
-def varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q):
-    """cu_seqlens_q / _k as CuPy arrays, checked (dtype, rank, length, q's device); returns them
-    and the number of sequences. Their values are not read."""
+def varlen_boundaries(cu_seqlens_q, cu_seqlens_k):
+    """cu_seqlens_q / _k as CuPy arrays (None where not given), and the metadata (shape, dtype
+    name, device) the spine checks them by. Their values are not read."""
     cu = [None if c is None else as_cupy(c, n) for c, n in ((cu_seqlens_q, "cu_seqlens_q"),
                                                             (cu_seqlens_k, "cu_seqlens_k"))]
-    meta = [None if c is None else (c.shape, _checks.dtype_name(c.dtype), c.data.device_id) for c in cu]
-    num_seqs = _checks.check_cu_seqlens(*meta, q.data.device_id)
-    return cu[0], cu[1], num_seqs
-
-
-def longest_sequence(cu, total: int) -> int:
-    """The longest sequence that boundaries ``cu`` (a CuPy or NumPy array) delimit in ``total``
-    packed rows, by the kernels' clamping rule (kernels/slice.cuh); for a CuPy array one
-    device-to-host copy."""
-    bounded = cu.clip(0, total)
-    return max(0, int((bounded[1:] - bounded[:-1]).max())) if cu.size > 1 else 0
+    meta = [None if c is None else (c.shape, _spine.dtype_name(c.dtype), c.data.device_id) for c in cu]
+    return cu, meta
 
 
 def _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
     """max_seqlen_q / _k checked, or computed from the boundaries where None (a host sync)."""
     import cupy
 
-    max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_q = _spine.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _spine.check_max_seqlen("max_seqlen_k", max_seqlen_k)
     if max_q is None or max_k is None:
         with cupy.cuda.Device(cu_q.data.device_id):
-            max_q = longest_sequence(cu_q, total_q) if max_q is None else max_q
-            max_k = longest_sequence(cu_k, total_k) if max_k is None else max_k
+            max_q = _spine.longest_sequence(cu_q, total_q) if max_q is None else max_q
+            max_k = _spine.longest_sequence(cu_k, total_k) if max_k is None else max_k
     return max_q, max_k
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(cu_seqlens_q, cu_seqlens_k as CuPy arrays, the problem's Varlen), after the checks of
+    the boundaries, of q, k and v's ranks and of the longest lengths."""
+    (cu_q, cu_k), meta = varlen_boundaries(cu_seqlens_q, cu_seqlens_k)
+    num_seqs = _spine.check_cu_seqlens(*meta, q.data.device_id)
+    _spine.check_varlen_shapes(q.shape, k.shape, v.shape)
+    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
+    return cu_q, cu_k, _spine.Varlen(num_seqs, max_q, max_k)
 
 
 def _varlen_attention(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       out=None):
     import cupy
 
-    cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
-    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
-    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    device = _one_device((q, k, v), "q, k and v")
-    plan = _plan.varlen_forward_plan(q.shape, _element_strides(q), k.shape, _element_strides(k), v.shape,
-                                     _element_strides(v), dtype, device, causal, scale, window_option(window),
-                                     num_seqs, max_q, (q.data.ptr, k.data.ptr, v.data.ptr))
-    stream, current = _stream_on(plan.device_id)
+    cu_q, cu_k, varlen = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    try:
+        key = ("cupy varlen forward", q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype,
+               v.dtype, q.data.device_id, k.data.device_id, v.data.device_id, causal, scale, window, varlen)
+        call = _recent(key)
+    except TypeError:  # an unhashable argument
+        key = call = None
+    if call is None:
+        call = _spine.PLANS.get_or_build(key, _forward_call, q, k, v, causal, scale, None, None, window, varlen)
+    plan = call.plan
+    stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        o, l, m = _forward_outputs(plan, q, k, v, out)
-    plan.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, stream, cu_q.data.ptr,
-             cu_k.data.ptr)
+        o, l, m = new_outputs(*call.specs) if out is None else _checked(call, out, ("o", "l", "m"), (q, k, v),
+                                                                         plan.device_id)
+    plan.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr, cu_q.data.ptr,
+              cu_k.data.ptr), stream)
     return AttentionOutput(o, l, m)
 
 
-class AttentionGradients(NamedTuple):
-    """What :func:`attention_backward` returns: dq, dk, dv shaped and typed like q, k, v."""
-
-    dq: Any
-    dk: Any
-    dv: Any
+# ---- the backward ----------------------------------------------------------------------------
 
 
-def _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window):
+def _backward_call(arrays, causal, scale, deterministic, block_mask, block_size, window, varlen=None) -> _Call:
     do, q, k, v, o, l, m = arrays
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-    device = _one_device(arrays, "all arguments")
-    mask = as_block_mask(block_mask, block_size)
     tensors = (do, q, k, v, o)
-    stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
-    return _plan.backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),
-                               dtype, stats, device, causal, scale, mask, window_option(window), deterministic,
-                               tuple(x.data.ptr for x in tensors))
+    # The dtypes before the devices, as cuflash has always checked them.
+    _spine.check_like_q(_spine.check_dtypes(q.dtype, k.dtype, v.dtype), do=do.dtype, o=o.dtype)
+    device = one_device(arrays, "all arguments")
+    mask = _spine.as_block_mask(block_mask, block_size)
+    problem = _spine.backward_problem(
+        tuple(x.shape for x in tensors), tuple(element_strides(x) for x in tensors), tuple(x.dtype for x in tensors),
+        tuple((x.shape, element_strides(x), x.dtype) for x in (l, m)), device, causal=causal, scale=scale, mask=mask,
+        window=_spine.window_option(window), deterministic=deterministic, varlen=varlen)
+    plan = _spine.backward(problem, tuple(x.data.ptr for x in tensors))
+    specs = output_specs((g.shape, q.dtype) for g in plan.grads if g.kind != "generic")  # the kernels' gradients
+    # of do, q, k, v, o, l, m; and the specs of all three gradients (caller-given ones)
+    extents = _extents(tensors, ("do", "q", "k", "v", "o")) + (("l", (0, l.nbytes) if l.nbytes else None),
+                                                               ("m", (0, m.nbytes) if m.nbytes else None))
+    return _Call(plan, specs, extents, given_specs=output_specs((g.shape, q.dtype) for g in plan.grads)[0])
 
 
 def _sum_keeping(x, axes):
@@ -441,54 +321,48 @@ def attention_backward(do, q, k, v, o, l, m, *, causal: bool = False, scale=None
     names = ("do", "q", "k", "v", "o", "l", "m")
     arrays = tuple(as_cupy(x, n) for x, n in zip((do, q, k, v, o, l, m), names))
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(block_mask)
-        return _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k, out)
+        _spine.check_varlen_options(block_mask)
+        cu_q, cu_k, varlen = _varlen(*arrays[1:4], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        cu_seqlens = (cu_q.data.ptr, cu_k.data.ptr)
+    else:
+        varlen, cu_seqlens = None, ()
     try:
-        key = tuple((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
-            causal, scale, deterministic, block_mask, block_size, window, _config.GENERATION[0])
-        plan = _backward_calls.get(key)
+        key = ("cupy backward", *((x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays), causal, scale,
+               deterministic, block_mask, block_size, window, varlen)
+        call = _recent(key)
     except TypeError:
-        key = plan = None
-    if plan is None:
-        plan = _backward_plan(arrays, causal, scale, deterministic, block_mask, block_size, window)
-        if key is not None:
-            _plan.remember(_backward_calls, key, plan)
-    return _run_backward(plan, arrays, out)
+        key = call = None
+    if call is None:
+        call = _spine.PLANS.get_or_build(key, _backward_call, arrays, causal, scale, deterministic, block_mask,
+                                         block_size, window, varlen)
+    return _run_backward(call, arrays, out, *cu_seqlens)
 
 
-def _backward_outputs(plan, arrays, out) -> tuple:
+def _backward_outputs(call: _Call, arrays, out) -> tuple:
     """(dq, dk, dv, or None for a gradient summed by CuPy; the caller's arrays or None)."""
-    q = arrays[1]
-    if plan.cupy_outputs is None:  # the kernels' gradients, in one allocation
-        plan.cupy_outputs = output_specs((g.shape, q.dtype) for g in plan.grads if g.kind != "generic")
+    plan = call.plan
     if out is None:
-        made = iter(new_outputs(*plan.cupy_outputs))
+        made = iter(new_outputs(*call.specs))
         return [None if g.kind == "generic" else next(made) for g in plan.grads], None
-    if plan.cupy_extents is None:  # of do, q, k, v, o, l, m; and the specs of all three gradients
-        size, (l, m) = q.dtype.itemsize, arrays[5:]
-        plan.cupy_extents = (tuple((name, extent(shape, strides, size)) for name, shape, strides in plan.operands)
-                             + (("l", (0, l.nbytes) if l.nbytes else None), ("m", (0, m.nbytes) if m.nbytes else None)),
-                             output_specs((g.shape, q.dtype) for g in plan.grads)[0])
-    extents, specs = plan.cupy_extents
-    inputs = [(name, x.data.ptr, e) for (name, e), x in zip(extents, arrays)]
-    given = given_outputs(out, ("dq", "dk", "dv"), specs, plan.device_id, inputs)
+    spans = [(name, x.data.ptr, e) for (name, e), x in zip(call.extents, arrays)]
+    given = given_outputs(out, ("dq", "dk", "dv"), call.given_specs, plan.device_id, spans)
     return [None if g.kind == "generic" else x for g, x in zip(plan.grads, given)], given
 
 
-def _run_backward(plan, arrays, out, *cu_seqlens):
+def _run_backward(call: _Call, arrays, out, *cu_seqlens):
     """Outputs (unless given) and workspace from CuPy's pool, the plan's launches on CuPy's
     current stream."""
     import cupy
 
+    plan = call.plan
     do, q, k, v, o, l, m = arrays
-    stream, current = _stream_on(plan.device_id)
+    stream, current = stream_on(plan.device_id)
     with (contextlib.nullcontext() if current else cupy.cuda.Device(plan.device_id)):
-        grads, given = _backward_outputs(plan, arrays, out)
+        grads, given = _backward_outputs(call, arrays, out)
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = workspace.ptr if workspace is not None else 0
-        plan.run(do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
-                 *(0 if g is None else g.data.ptr for g in grads), base, stream, *cu_seqlens)
+        plan.run((do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
+                  *(0 if g is None else g.data.ptr for g in grads), base, *cu_seqlens), stream)
         for index, g in enumerate(plan.grads):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
@@ -499,18 +373,115 @@ def _run_backward(plan, arrays, out, *cu_seqlens):
     return AttentionGradients(*grads)
 
 
-def _varlen_backward(arrays, causal, scale, deterministic, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, out=None):
-    do, q, k, v, o, l, m = arrays
-    cu_q, cu_k, num_seqs = varlen_boundaries(cu_seqlens_q, cu_seqlens_k, q)
-    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
-    max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-    device = _one_device(arrays, "all arguments")
-    tensors = (do, q, k, v, o)
-    stats = tuple((x.shape, _element_strides(x), _checks.dtype_name(x.dtype)) for x in (l, m))
-    plan = _plan.varlen_backward_plan(tuple(x.shape for x in tensors), tuple(_element_strides(x) for x in tensors),
-                                      dtype, stats, device, causal, scale, window_option(window), deterministic,
-                                      num_seqs, max_q, max_k, tuple(x.data.ptr for x in tensors))
-    return _run_backward(plan, arrays, out, cu_q.data.ptr, cu_k.data.ptr)
+# ---- decoding against a KV cache -------------------------------------------------------------
+
+
+def _decode_call(q, k, v, page_table, seqlens_k, causal, scale, window, num_splits) -> _Call:
+    launch = _spine.decode_plan(q, k, v, page_table, seqlens_k, causal=causal, scale=scale, window=window,
+                                  num_splits=num_splits, device=q.device.id)
+    given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), (q, k, v, page_table, seqlens_k))
+             if x is not None]
+    return _Call(launch, launch.output_specs(q.dtype), _extents([x for _, x in given], [n for n, _ in given]))
+
+
+def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
+                     seqlens_k=None, num_splits=None, out=None) -> AttentionOutput:
+    """Attention of a few queries a head against a KV cache, split over the keys.
+
+    Args:
+        q: (batch..., Hq, Nq, d) cupy array, Nq in 1..16; the batch dims (any number, also
+            none) must address as one dim (``x.reshape(B, Hq, Nq, d)`` would be a view).
+        k, v: dense caches (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
+            ``page_table``, paged caches (num_pages, Hk, page_size, d) / (..., dv), page_size
+            a power of two in 16..256. Hk divides Hq: q head h reads k/v head h // (Hq // Hk).
+            float16 or bfloat16, all three alike; d and dv multiples of 8 up to 128. Any
+            strides whose last dim is contiguous and 16-byte aligned: vLLM's (num_pages,
+            page_size, Hk, d) passes as ``.swapaxes(1, 2)`` without a copy.
+        page_table: int32 (batch, max_pages), C-contiguous, on q's device: page of key j of
+            sequence b is page_table[b, j // page_size]. An entry outside [0, num_pages) is
+            never dereferenced: the keys of that page are masked.
+        seqlens_k: int32 (batch,), on q's device: each sequence's key count. Required when
+            paged; optional when dense (default Nk). Read by the kernel, never by the host:
+            a value below 0 counts as 0, one above the capacity (Nk, or max_pages *
+            page_size) as the capacity. A length of 0 gives o = 0, l = 0, m = -inf.
+        causal: query i of Nq sees key j iff j <= len - Nq + i (aligned at each sequence's end).
+        scale: multiplies q k^T; default 1 / sqrt(d).
+        window: (left, right), the same alignment: len - Nq + i - left <= j <= len - Nq + i +
+            right; -1 leaves a side unbounded. Combines with causal.
+        num_splits: None (chosen from the batch, heads, row tiles, capacity and SM count) or
+            1..MAX_DECODE_SPLITS: the key range of each (batch, k/v head) in that many CTAs.
+        out: (o, l, m) to write, as :func:`cuflash.attention` takes it.
+
+    Returns:
+        AttentionOutput(o, l, m): o (batch..., Hq, Nq, dv) in q's dtype, l and m (batch...,
+        Hq, Nq) float32, as :func:`cuflash.attention`: m = max_j S, l = sum_j exp(S - m),
+        S = scale * q k^T over the allowed keys. Runs on CuPy's current stream; with more than
+        one split, a float32 workspace comes from CuPy's memory pool.
+
+    Example (vLLM's cache layout, one token a sequence):
+        >>> k_cache = cupy.zeros((num_pages, page_size, 8, 128), cupy.float16)
+        >>> o, l, m = decode_attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2),
+        ...                            page_table=block_tables, seqlens_k=context_lens)
+    """
+    import cupy
+
+    q, k, v = as_cupy(q, "q"), as_cupy(k, "k"), as_cupy(v, "v")
+    with q.device:
+        arrays = (q, k, v, page_table, seqlens_k)
+        try:
+            key = ("cupy decode", *(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id)
+                                    for x in arrays), causal, scale, window, num_splits)
+            call = _recent(key)
+        except (TypeError, AttributeError):  # unhashable or not arrays: the checks say what is wrong
+            key = call = None
+        if (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning again raises the alignment error
+            key = call = None
+        if call is None:
+            call = _spine.PLANS.get_or_build(key, _decode_call, q, k, v, page_table, seqlens_k, causal, scale,
+                                             window, num_splits)
+        if out is not None:
+            out = _checked(call, out, ("o", "l", "m"), [x for x in arrays if x is not None], q.data.device_id)
+        return _run_launch(call.plan, call.specs, q, k, v, page_table, seqlens_k, None, out,
+                           cupy.cuda.get_current_stream().ptr)
+
+
+def run_plan(choice, q, k, v, *, page_table=None, seqlens_k=None, workspace=None, out=None) -> AttentionOutput:
+    """Launch the plan of a decoding choice (cuflash._decode.plan_decode's) on CuPy arrays of the
+    shapes and strides it was made for, on CuPy's current stream. ``workspace``: a device buffer
+    (cupy.cuda.MemoryPointer or a float32 array) of at least ``choice.workspace_bytes`` bytes, or None
+    to take it from CuPy's pool; ``out``: (o, l, m) to write, or None for new arrays. With both
+    given a call allocates nothing (what a captured CUDA graph needs)."""
+    import cupy
+
+    launch = _spine.bound_plan(choice, q.data.device_id)
+    specs = launch.output_specs(q.dtype) if out is None else None
+    return _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out,
+                       cupy.cuda.get_current_stream().ptr)
+
+
+def _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out, stream):
+    """One call of a DecodePlan (``launch``) on CuPy arrays, on the current device: outputs and
+    workspace (``specs``: their layout) from CuPy's pool unless given."""
+    import cupy
+
+    if out is None:
+        specs, nbytes = specs
+        if workspace is None:  # one allocation holds them all
+            o, l, m, workspace = new_outputs(specs, nbytes)
+        else:  # o, l and m alone: the layout's first three, up to where the workspace starts
+            o, l, m = new_outputs(specs[:3], specs[3][2])
+    else:
+        o, l, m = out
+    ws = 0
+    if launch.workspace_bytes:
+        if workspace is None:
+            workspace = cupy.cuda.alloc(launch.workspace_bytes)
+        elif isinstance(workspace, cupy.ndarray) and (not workspace.flags.c_contiguous
+                                                       or workspace.nbytes < launch.workspace_bytes):
+            raise ValueError(f"workspace must be a contiguous array of at least {launch.workspace_bytes} bytes, "
+                             f"got shape {workspace.shape}, dtype {workspace.dtype}")
+        ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
+    launch.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
+                0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
+                ws), stream)
+    return AttentionOutput(o, l, m)

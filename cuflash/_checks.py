@@ -1,6 +1,7 @@
 """Argument checks shared by every entry point: each error names the argument and quotes the
 shapes, strides or dtypes it was given. They run when a call signature is seen for the first
-time (cuflash/_plan.py caches what they decide); only pointer alignment is checked per call.
+time (the plans cache what they decide: cuflash/_cache.py); only pointer alignment is checked
+per call.
 """
 
 from __future__ import annotations

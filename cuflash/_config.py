@@ -7,13 +7,14 @@ in from the tile tables of cuflash/_tiles.py; the fixed limits are in cuflash/_c
 The enumerations (:func:`all_variants`, :func:`variants_for`) list every variant these
 functions can return, which is what the offline compile check builds. The switches
 (:func:`wgmma_forward`, :func:`wgmma_backward`) and the tile overrides for tuning runs bump
-:data:`GENERATION`, so that cached launch plans are rebuilt.
+:data:`GENERATION` (:func:`bump_generation`), so that cached launch plans are rebuilt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import typing
@@ -29,9 +30,22 @@ from ._variants import (BackwardPlan, BackwardPreprocess, DecodeCombine, Float32
 _wgmma_forward = [os.environ.get("CUFLASH_WGMMA", "1") != "0"]
 
 
-# Bumped whenever a switch or a table override changes what the dispatcher picks: cached
-# launch plans (cuflash/_plan.py) carry the generation they were built in.
+# Bumped (by bump_generation) whenever a switch or a table override changes what the dispatcher
+# picks: the plan cache (cuflash/_cache.py) empties then, as plans hold the old choices.
 GENERATION = [0]
+_generation_listeners: list = []
+
+
+def on_generation_change(listener):
+    """Call ``listener()`` after every change of the choices (bump_generation)."""
+    _generation_listeners.append(listener)
+
+
+def bump_generation():
+    """Say that the choices changed: every plan built before is out of date."""
+    GENERATION[0] += 1
+    for listener in _generation_listeners:
+        listener()
 
 
 @contextlib.contextmanager
@@ -39,12 +53,12 @@ def _switched(switch: list, enabled: bool):
     """Temporarily set a module switch (a one-element list)."""
     saved = switch[0]
     switch[0] = bool(enabled)
-    GENERATION[0] += 1
+    bump_generation()
     try:
         yield
     finally:
         switch[0] = saved
-        GENERATION[0] += 1
+        bump_generation()
 
 
 def wgmma_forward(enabled: bool):
@@ -89,7 +103,8 @@ def head_dim_bucket(dim: int) -> int:
 
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
                    wgmma: bool = False, nq: typing.Optional[int] = None, tma: bool = True,
-                   slices: int = 1, varlen: bool = False, row_tiles: typing.Optional[float] = None):
+                   slices: int = 1, varlen: bool = False,
+                   row_tiles: typing.Optional[typing.Callable[[int, int], float]] = None):
     """The kernel variant the dispatcher runs for these arguments.
 
     ``tiles`` = (block_rows, block_cols, warps, min_blocks[, qk_unroll]) overrides the table
@@ -101,9 +116,10 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     (query tiles x slices) in 32 bits, so past 2^31 items it runs one item a CTA.
     ``varlen``: a packed variable-length batch: the same tiles in their VARLEN form (never
     block-sparse), nq its longest sequence; on wgmma persistent where a dense batch of that
-    length would be. ``row_tiles``: with ``sparse``, the mean number of key tiles a query tile
-    visits, which makes the wgmma forward persistent at any length where it is at most
-    _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES.
+    length would be. ``row_tiles``: with ``sparse``, row_tiles(block_rows, block_cols) is the
+    mean number of key tiles a query tile of that shape visits (the block mask's tile lists
+    count them), which makes the wgmma forward persistent at any length where it is at most
+    _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES; it is asked only where it decides.
     """
     if varlen:
         variant = forward_config(dtype, d, dv, causal, tiles=tiles, wgmma=wgmma, nq=nq, tma=tma, slices=slices)
@@ -115,7 +131,8 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
         if not isinstance(persistent, bool):
             persistent = q_tiles is not None and q_tiles <= persistent
         few_tiles = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES.get(d)
-        if sparse and row_tiles is not None and few_tiles is not None and row_tiles <= few_tiles:
+        if (sparse and row_tiles is not None and few_tiles is not None and not persistent
+                and row_tiles(HopperForward.block_rows, schedule[0]) <= few_tiles):
             persistent = True
         if q_tiles is not None and q_tiles * slices >= 2**31:
             persistent = False
@@ -128,6 +145,24 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
     hd = head_dim_bucket(max(d, dv))  # one bucket for both keeps the variant count small
     br, bc, warps, mb, *unroll = tiles or _tiles.TC_FORWARD_TILES[hd]
     return TensorCoreForward(dtype, hd, hd, br, bc, warps, mb, bool(causal), *unroll, sparse=bool(sparse))
+
+
+class ForwardChoice(typing.NamedTuple):
+    """The forward kernel a launch runs, and the one it runs instead where the copy engine
+    cannot map its inputs (the cp.async form; None where the kernel loads without tensor maps)."""
+
+    variant: typing.Any
+    without_tensor_maps: typing.Any
+
+
+def forward_choice(dtype: str, d: int, dv: int, causal: bool, *, wgmma: bool, nq: int, slices: int,
+                   varlen: bool = False, row_tiles=None) -> ForwardChoice:
+    """The forward of a launch (forward_config's arguments; ``row_tiles`` given exactly for a
+    block-sparse launch) with its fallback named."""
+    variant = forward_config(dtype, d, dv, causal, sparse=row_tiles is not None, wgmma=wgmma, nq=nq,
+                             slices=slices, varlen=varlen, row_tiles=row_tiles)
+    fallback = dataclasses.replace(variant, tma=False) if getattr(variant, "tma", False) else None
+    return ForwardChoice(variant, fallback)
 
 
 def _hopper_forms(dtype, hd, causal, sparse=False, varlen=False):
@@ -172,13 +207,13 @@ def _table_override(table, entries):
     """Temporarily update a tile table (for tuning runs that compare tiles in one process)."""
     saved = dict(table)
     table.update(entries)
-    GENERATION[0] += 1
+    bump_generation()
     try:
         yield
     finally:
         table.clear()
         table.update(saved)
-        GENERATION[0] += 1
+        bump_generation()
 
 
 def forward_tiles_override(tiles_by_bucket):
@@ -259,7 +294,7 @@ def backward_plan(dtype: str, d: int, dv: int, causal: bool, deterministic: bool
 
 
 # A grouped key pass (GQA) keeps at least this many CTAs a wave of SMs: measured on the H200
-# (bench/NOTES.md, session 14).
+# (bench/NOTES.md, Backward on Hopper (key pass)).
 GROUPED_BACKWARD_WAVES = 7
 
 
@@ -272,6 +307,35 @@ def backward_head_group(kv_group: int, num_batch: int, key_tiles: int, sm_count:
         if kv_group % group == 0 and num_batch // group * key_tiles >= GROUPED_BACKWARD_WAVES * sm_count:
             return group
     return 1
+
+
+class BackwardChoice(typing.NamedTuple):
+    """The kernels of a backward launch, how many query heads a key-pass CTA walks, and the
+    kernels it runs instead where the copy engine cannot map its inputs (the key pass's
+    cp.async form; None where the key pass loads without tensor maps)."""
+
+    kernels: BackwardPlan
+    head_group: int
+    without_tensor_maps: typing.Optional[BackwardPlan]
+
+
+def backward_choice(dtype: str, d: int, dv: int, causal: bool, deterministic: bool, *, hopper: bool, wgmma: bool,
+                    sparse: bool = False, varlen: bool = False, nk: typing.Optional[int] = None, slices: int = 1,
+                    kv_group: int = 1, key_tiles=None, sm_count: int = 0) -> BackwardChoice:
+    """The backward of a launch with its fallback named (backward_plan's arguments). kv_group:
+    the query heads of a k/v head where k and v are grouped over q's heads and broadcast nowhere
+    else (1 otherwise); then a wgmma key pass that accumulates dQ atomically walks
+    backward_head_group of them a CTA, with key_tiles(block_cols) CTAs along a slice's keys."""
+    choose = functools.partial(backward_plan, dtype, d, dv, causal, deterministic, hopper=hopper, sparse=sparse,
+                               wgmma=wgmma, varlen=varlen, nk=nk, slices=slices)
+    kernels, group = choose(), 1
+    key_pass = kernels.key_passes[0]
+    if isinstance(key_pass, HopperBackward) and key_pass.atomic_dq and not key_pass.sparse and kv_group > 1:
+        group = backward_head_group(kv_group, slices, key_tiles(key_pass.block_cols), sm_count)
+        if group > 1:
+            kernels = choose(grouped=True)
+    fallback = choose(grouped=group > 1, tma=False) if getattr(kernels.key_passes[0], "tma", False) else None
+    return BackwardChoice(kernels, group, fallback)
 
 
 def all_backward_variants(hopper: bool = True, wgmma: bool = False):
@@ -326,8 +390,14 @@ def variants_for(arch: str):
 
 # ---- decoding -----------------------------------------------------------------------------
 
+# The shortest key range a call with few queries a head (1 to MAX_DECODE_QUERIES) is routed to
+# the split-KV kernels at: measured with CUDA graphs (GPU time alone), one query a head at
+# batch 1-32, they beat the forward from 64 keys on (4.2 against 7.5 us at 64 keys;
+# bench/NOTES.md, Decoding). Below it the keys fit one tile of the forward: nothing to split.
+DECODE_MIN_KEYS = 64
+
 # Splits give every SM at least one CTA (this fraction of the SMs, so 16 splits of 8 CTAs count
-# on 132 SMs) and no more: measured on the H200 (bench/NOTES.md, session 9), once each SM holds
+# on 132 SMs) and no more: measured on the H200 (bench/NOTES.md, Decoding), once each SM holds
 # a CTA, longer splits stream faster than more CTAs (batch 1, 8 k/v heads, 131072 keys: 16
 # splits of 128 key tiles 3.86 TB/s, 64 of 32 tiles 3.63, 256 of 8 tiles 3.04) ...
 DECODE_SM_FILL = 0.9
@@ -339,7 +409,7 @@ DECODE_MIN_TILES_PER_SPLIT_SHORT = 2
 # A call whose splits (at one CTA an SM) come out shorter than this many key tiles aims at
 # two CTAs an SM instead: a second CTA hides a split's start and end (Q, the first tiles'
 # latency, the partial result's store) behind the other's stream. Swept on the H200
-# (bench/NOTES.md, session 18; CUDA-graph GPU time, num_splits 4-256): splits of 9 tiles
+# (bench/NOTES.md, Decoding; CUDA-graph GPU time, num_splits 4-256): splits of 9 tiles
 # gain (GQA hd128 1 x 8192, 15 -> 32 splits, 14.2 -> 12.2 us, SDPA 10.9; MQA 8 x 8192 17.6 ->
 # 15.3, SDPA 15.9); from about 16 it is a wash (GQA 1 x 16384, 18 tiles: 24.0 -> 23.5; MQA
 # 1 x 131072, 17 tiles: 28.2 -> 29.1; 32+ tiles: GQA 4 x 8192 38.7 / 38.8). Splitting a call
@@ -402,9 +472,9 @@ def _fill_splits(ctas_per_split: int, key_tiles: int, target: float, min_tiles: 
     return -(-key_tiles // per_split), per_split  # none left without a tile
 
 
-# Paged caches take the same rules: with their pages read a few tiles ahead (session 19), the
-# dense rules' split counts are at or within 1-10% faster than two CTAs an SM at every shape
-# swept but one (bench/NOTES.md, session 19; MQA 8 x 32768 hd64 page 64 28.2 against 27.4 us).
+# Paged caches take the same rules: with their pages read a few tiles ahead, the dense rules'
+# split counts are at or within 1-10% faster than two CTAs an SM at every shape swept but one
+# (bench/NOTES.md, Decoding; MQA 8 x 32768 hd64 page 64 28.2 against 27.4 us).
 
 
 def decode_splits(ctas_per_split: int, key_tiles: int, sm_count: int) -> typing.Tuple[int, int]:

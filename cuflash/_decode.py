@@ -1,9 +1,12 @@
-"""Decoding: a few queries a head against a long, dense or paged, KV cache (kernels/flash_decode.cu).
+"""Decoding's plans: a few queries a head against a long, dense or paged, KV cache
+(kernels/flash_decode.cu).
 
-:func:`decode_attention` splits each (batch, k/v head)'s keys over CTAs, packs the query heads
-that share a k/v head into one tile of rows, and merges the splits' partial results exactly by
-their log-sum-exp. :func:`supports` says whether a call fits it; :func:`plan_decode` does every
-host-side check and choice without touching the GPU (what the CPU tests exercise).
+The split-KV kernels split each (batch, k/v head)'s keys over CTAs, pack the query heads that
+share a k/v head into one tile of rows, and merge the splits' partial results exactly by their
+log-sum-exp. :func:`supports` says whether a call fits them; :func:`plan_decode` does every
+host-side check and choice without touching the GPU (what the CPU tests exercise), and
+:class:`DecodePlan` binds its :class:`DecodeChoice` for launches. The CuPy entry point is
+cuflash._api.decode_attention; cuflash.attention routes to it by :func:`routes_short_queries`.
 
 Values in device memory are never read on the host (no synchronisation): lengths
 (``seqlens_k``) are clamped to [0, capacity] inside the kernel, where capacity is Nk (dense) or
@@ -20,16 +23,21 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _api, _checks, _config, _constants, _params, _plan, _tiles, _variants
+from . import _arrays, _checks, _config, _constants, _driver, _launch, _params, _tiles, _variants
+from ._cache import PLANS
+from ._driver import Context
 from .masks import window_option
+
+_recent = PLANS.recent.get  # the plan cache's hit path (cuflash/_cache.py)
 
 # The kernel counts keys (and capacity + Nq) in 32 bits, and a paged CTA computes key positions
 # of tiles up to DECODE_PAGE_SLOTS + 2 past its last (page-table reads ahead, their results
 # unused there): with that slack every position it forms stays under 2^31.
 MAX_KEY_POSITION = 2**31 - 1 - (_constants.DECODE_PAGE_SLOTS + 2) * _tiles.DECODE_MAX_TILE_KEYS
 
-class DecodePlan(NamedTuple):
-    """Everything :func:`decode_attention` decides from shapes, strides and the GPU's size."""
+class DecodeChoice(NamedTuple):
+    """Everything a decoding call decides from shapes, strides and the GPU's size (what
+    :class:`DecodePlan` binds)."""
 
     variant: _variants.SplitKvDecode
     combine: Optional[_variants.DecodeCombine]  # None with one split: the kernel writes o, l, m
@@ -62,8 +70,8 @@ class DecodePlan(NamedTuple):
     def workspace_offsets(self) -> Tuple[int, int]:
         """Byte offsets of ws_l and ws_m in the splits' workspace (ws_o first, at 0)."""
         split_rows = self.num_splits * self.total_rows
-        ws_l = _plan.align(4 * split_rows * self.dv)
-        return ws_l, ws_l + _plan.align(4 * split_rows)
+        ws_l = _arrays.align(4 * split_rows * self.dv)
+        return ws_l, ws_l + _arrays.align(4 * split_rows)
 
     @property
     def workspace_bytes(self) -> int:
@@ -71,14 +79,14 @@ class DecodePlan(NamedTuple):
         decide it, so the JAX adapter sizes its workspace output with it at trace time."""
         if self.combine is None:
             return 0
-        return self.workspace_offsets[1] + _plan.align(4 * self.num_splits * self.total_rows)
+        return self.workspace_offsets[1] + _arrays.align(4 * self.num_splits * self.total_rows)
 
 
 # ---- checks ---------------------------------------------------------------------------------
 
 
 def _element_strides(x, name) -> tuple:
-    strides = tuple(st // x.dtype.itemsize for st in x.strides)
+    strides = _arrays.element_strides(x)
     _checks.check_last_dim_contiguous(name, x.shape, strides)
     return strides
 
@@ -123,7 +131,7 @@ def _check_index_array(x, name, shape, device_id):
         raise ValueError(f"{name} is on device {x.device.id}, q on device {device_id}")
 
 
-def _check_num_splits(num_splits):
+def check_num_splits(num_splits):
     if num_splits is None:
         return None
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
@@ -140,10 +148,10 @@ def _band(causal: bool, window) -> Tuple[int, int]:
 
 
 def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:
-    """Whether :func:`decode_attention` takes this call: 1 to MAX_DECODE_QUERIES queries a head,
-    float16 / bfloat16, head dims (multiples of 8) up to 128, no block mask, and a layout it
-    reads (see :func:`decode_attention`). With a ``page_table`` call decode_attention
-    directly: its errors say what is wrong."""
+    """Whether the split-KV kernels take this call: 1 to MAX_DECODE_QUERIES queries a head,
+    float16 / bfloat16, head dims (multiples of 8) up to 128, no block mask, and a layout they
+    read (see :func:`plan_decode`). With a ``page_table`` call plan_decode directly: its errors
+    say what is wrong."""
     if block_mask is not None:
         return False
     try:
@@ -155,12 +163,12 @@ def supports(q, k, v, *, block_mask=None, page_table=None) -> bool:
 
 def routes_short_queries(q, k, v, block_mask=None) -> bool:
     """Whether a call without decoding arguments takes the split-KV kernels all the same: at
-    least one query row, no block mask, at least ``_api.DECODE_MIN_KEYS`` keys, and a layout
+    least one query row, no block mask, at least ``_config.DECODE_MIN_KEYS`` keys, and a layout
     :func:`supports`. A few queries a head against many keys would occupy only a handful of
     the forward's 128-row query tiles while the split-KV kernels stream K and V on every SM;
     below DECODE_MIN_KEYS the keys fit one tile of the forward: nothing to split. Every
     front end that routes (the CuPy API, the JAX adapter) asks here."""
-    return (block_mask is None and math.prod(q.shape[:-1]) > 0 and k.shape[-2] >= _api.DECODE_MIN_KEYS
+    return (block_mask is None and math.prod(q.shape[:-1]) > 0 and k.shape[-2] >= _config.DECODE_MIN_KEYS
             and supports(q, k, v))
 
 
@@ -222,8 +230,8 @@ def _plan_layout(q, k, v, page_table):
 
 
 def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=None, seqlens_k=None,
-                num_splits=None, sm_count: int = 132) -> DecodePlan:
-    """Every check and choice of :func:`decode_attention`, on the host only (arrays need
+                num_splits=None, sm_count: int = 132) -> DecodeChoice:
+    """Every check and choice of a decoding call, on the host only (arrays need
     shape, strides, dtype, ``data.ptr`` and ``device.id``; nothing is read from the GPU).
     ``sm_count``: the GPU's size, for choosing the number of splits (by default an H100's / H200's)."""
     dtype, layout = _plan_layout(q, k, v, page_table)
@@ -245,7 +253,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
                          f"the decoding kernels count")
     scale = _checks.resolve_scale(scale, layout["d"])
     window_left, window_right = _band(causal, window)
-    forced = _check_num_splits(num_splits)
+    forced = check_num_splits(num_splits)
 
     rows = layout["group"] * layout["nq"]
     num_bh = batch * layout["kv_heads"]
@@ -273,7 +281,7 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
         scale=scale, scale_log2=scale * math.log2(math.e),
         window_left=window_left, window_right=window_right,
     )
-    return DecodePlan(
+    return DecodeChoice(
         variant=variant, num_splits=splits,
         combine=_config.decode_combine_config(dtype, num_bh * rows, sm_count) if splits > 1 else None,
         tiles_per_split=tiles_per_split, row_tiles=row_tiles, batch=batch, kv_heads=layout["kv_heads"],
@@ -282,139 +290,56 @@ def plan_decode(q, k, v, *, causal=False, scale=None, window=None, page_table=No
     )
 
 
-# ---- the call -------------------------------------------------------------------------------
+# ---- the bound launch ---------------------------------------------------------------------
 
 
-def decode_attention(q, k, v, *, causal: bool = False, scale=None, window=None, page_table=None,
-                     seqlens_k=None, num_splits=None, out=None) -> _api.AttentionOutput:
-    """Attention of a few queries a head against a KV cache, split over the keys.
-
-    Args:
-        q: (batch..., Hq, Nq, d) cupy array, Nq in 1..16; the batch dims (any number, also
-            none) must address as one dim (``x.reshape(B, Hq, Nq, d)`` would be a view).
-        k, v: dense caches (batch..., Hk, Nk, d) / (..., dv) with q's batch dims, or, with
-            ``page_table``, paged caches (num_pages, Hk, page_size, d) / (..., dv), page_size
-            a power of two in 16..256. Hk divides Hq: q head h reads k/v head h // (Hq // Hk).
-            float16 or bfloat16, all three alike; d and dv multiples of 8 up to 128. Any
-            strides whose last dim is contiguous and 16-byte aligned: vLLM's (num_pages,
-            page_size, Hk, d) passes as ``.swapaxes(1, 2)`` without a copy.
-        page_table: int32 (batch, max_pages), C-contiguous, on q's device: page of key j of
-            sequence b is page_table[b, j // page_size]. An entry outside [0, num_pages) is
-            never dereferenced: the keys of that page are masked.
-        seqlens_k: int32 (batch,), on q's device: each sequence's key count. Required when
-            paged; optional when dense (default Nk). Read by the kernel, never by the host:
-            a value below 0 counts as 0, one above the capacity (Nk, or max_pages *
-            page_size) as the capacity. A length of 0 gives o = 0, l = 0, m = -inf.
-        causal: query i of Nq sees key j iff j <= len - Nq + i (aligned at each sequence's end).
-        scale: multiplies q k^T; default 1 / sqrt(d).
-        window: (left, right), the same alignment: len - Nq + i - left <= j <= len - Nq + i +
-            right; -1 leaves a side unbounded. Combines with causal.
-        num_splits: None (chosen from the batch, heads, row tiles, capacity and SM count) or
-            1..MAX_DECODE_SPLITS: the key range of each (batch, k/v head) in that many CTAs.
-        out: (o, l, m) to write, as :func:`cuflash.attention` takes it.
-
-    Returns:
-        AttentionOutput(o, l, m): o (batch..., Hq, Nq, dv) in q's dtype, l and m (batch...,
-        Hq, Nq) float32, as :func:`cuflash.attention`: m = max_j S, l = sum_j exp(S - m),
-        S = scale * q k^T over the allowed keys. Runs on CuPy's current stream; with more than
-        one split, a float32 workspace comes from CuPy's memory pool.
-
-    Example (vLLM's cache layout, one token a sequence):
-        >>> k_cache = cupy.zeros((num_pages, page_size, 8, 128), cupy.float16)
-        >>> o, l, m = decode_attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2),
-        ...                            page_table=block_tables, seqlens_k=context_lens)
-    """
-    import cupy
-
-    q, k, v = _api.as_cupy(q, "q"), _api.as_cupy(k, "k"), _api.as_cupy(v, "v")
-    with q.device:
-        device_id = q.device.id
-        arrays = (q, k, v, page_table, seqlens_k)
-        try:
-            key = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays) + (
-                causal, scale, window, num_splits)
-            plan = _plans.get(key)
-        except (TypeError, AttributeError):  # unhashable or not arrays: the checks say what is wrong
-            key = plan = None
-        if plan is not None and (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
-            plan = None  # plan_decode raises the alignment error
-        if plan is None:
-            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, page_table=page_table,
-                               seqlens_k=seqlens_k, num_splits=num_splits, sm_count=_plan.sm_count(device_id))
-            if key is not None:
-                _plan.remember(_plans, key, plan)
-        launch = bound_launch(plan, device_id)
-        if out is not None:
-            out = _checked_out(launch, out, q, k, v, page_table, seqlens_k)
-        return _run_launch(launch, q, k, v, page_table, seqlens_k, None, out, cupy.cuda.get_current_stream().ptr)
-
-
-def _checked_out(launch, out, *arrays):
-    """The caller's (o, l, m) of a decoding call, checked like the forward's (cuflash._api)
-    against q, k, v (and page_table, seqlens_k where given), whose byte extents follow from
-    the launch's signature and are kept on it."""
-    given = [(name, x) for name, x in zip(("q", "k", "v", "page_table", "seqlens_k"), arrays) if x is not None]
-    extents = launch.input_extents
-    if extents is None:
-        extents = launch.input_extents = tuple(_api.extent(x.shape, _element_strides(x, name), x.dtype.itemsize)
-                                               for name, x in given)
-    inputs = [(name, x.data.ptr, e) for (name, x), e in zip(given, extents)]
-    return _api.given_outputs(out, ("o", "l", "m"), launch.output_specs(arrays[0].dtype)[0][:3],
-                              arrays[0].data.device_id, inputs)
-
-
-# (shapes, strides, dtypes, devices of q, k, v, page_table, seqlens_k; options) -> DecodePlan:
-# the host checks and choices run once per signature.
-_plans: dict = {}
-
-
-class DecodeLaunch:
-    """A plan's launches with their parameter blocks bound once (cuflash/_plan.py's Kernel): a
-    call writes its pointers into the blocks and launches, packing nothing.
-
-    ``run`` takes raw pointers: q, k, v, o, l, m, the page table and lengths (0 = none), and
-    ``workspace``, the start of :attr:`workspace_bytes` of device memory for the splits'
+class DecodePlan(_launch.Plan):
+    """A decoding choice's launches with their parameter blocks bound once (cuflash/_driver.py's
+    Kernel): ``run((q, k, v, o, l, m, page_table, seqlens_k, workspace), stream)`` writes the
+    pointers into the blocks and launches, packing nothing. page_table and seqlens_k are 0 where
+    not given; ``workspace`` starts :attr:`workspace_bytes` of device memory for the splits'
     partial results (ignored with one split)."""
 
-    def __init__(self, plan: DecodePlan, device_id: int):
-        self.plan = plan
+    pointer_names = ("q", "k", "v", "o", "l", "m", "page_table", "seqlens_k", "workspace")
+
+    def __init__(self, choice: DecodeChoice, device_id: int):
+        self.choice = choice
+        self.device_id = device_id
+        self.total_rows = choice.total_rows  # 0: nothing to launch
         zero = {name: 0 for name, kind in _params.DECODE_PARAM_FIELDS if kind == "Q"}
-        block = _plan._words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
-            {**plan.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
-        self.kernel = _plan.Kernel(plan.variant, device_id, _plan.slice_grid(plan.grid_x, plan.num_bh), [block],
-                                   plan.d, plan.dv)
-        self.ws_l_offset, self.ws_m_offset = plan.workspace_offsets  # ws_o, then ws_l, then ws_m
-        self.workspace_bytes = plan.workspace_bytes
+        block = _driver.words(struct.pack(_params.fields_format(_params.DECODE_PARAM_FIELDS), *(
+            {**choice.fields, **zero}[name] for name, _ in _params.DECODE_PARAM_FIELDS)))
+        self.kernel = _driver.Kernel(choice.variant, device_id, _launch.slice_grid(choice.grid_x, choice.num_bh),
+                                     [block], choice.d, choice.dv)
+        self.ws_l_offset, self.ws_m_offset = choice.workspace_offsets  # ws_o, then ws_l, then ws_m
+        self.workspace_bytes = choice.workspace_bytes
         self.combine = None
-        if plan.combine is not None:
-            combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=plan.total_rows, dv=plan.dv,
-                           num_splits=plan.num_splits, scale=plan.fields["scale"],
-                           scale_log2=plan.fields["scale_log2"])
-            block = _plan._words(struct.pack(_params.fields_format(_params.COMBINE_PARAM_FIELDS), *(
+        if choice.combine is not None:
+            combine = dict(ws_o=0, ws_l=0, ws_m=0, o=0, l=0, m=0, total_rows=choice.total_rows, dv=choice.dv,
+                           num_splits=choice.num_splits, scale=choice.fields["scale"],
+                           scale_log2=choice.fields["scale_log2"])
+            block = _driver.words(struct.pack(_params.fields_format(_params.COMBINE_PARAM_FIELDS), *(
                 combine[name] for name, _ in _params.COMBINE_PARAM_FIELDS)))
-            self.combine = _plan.Kernel(plan.combine, device_id, (plan.total_rows, 1, 1), [block])  # a CTA a row
-        self.ctx = _plan.device_context(device_id)
+            # a CTA a row
+            self.combine = _driver.Kernel(choice.combine, device_id, (choice.total_rows, 1, 1), [block])
+        self.ctx = _driver.device_context(device_id)
         self.lock = threading.Lock()
-        self._outputs = {}  # q's dtype -> cuflash._api.output_specs of o, l, m and the workspace
-        self.input_extents = None  # of the inputs a call with out= checks it against (_checked_out)
 
     def output_specs(self, dtype):
-        """(specs, bytes) of o, l, m and the splits' workspace (uint8) in one allocation."""
-        specs = self._outputs.get(dtype)
-        if specs is None:
-            stats = self.plan.out_shape[:-1]
-            specs = self._outputs[dtype] = _api.output_specs((
-                (self.plan.out_shape, dtype), (stats, np.float32), (stats, np.float32),
-                ((self.workspace_bytes,), np.uint8)))
-        return specs
+        """(specs, bytes) of o (in ``dtype``, q's), l, m and the splits' workspace (uint8) in one
+        allocation (cuflash._arrays.output_specs)."""
+        stats = self.choice.out_shape[:-1]
+        return _arrays.output_specs(((self.choice.out_shape, dtype), (stats, np.float32), (stats, np.float32),
+                                     ((self.workspace_bytes,), np.uint8)))
 
-    def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
-        if self.plan.total_rows == 0:
+    def run(self, pointers, stream):
+        if not self.total_rows:
             return
+        q, k, v, o, l, m, page_table, seqlens, workspace = pointers
         ws = (0, 0, 0)
         if self.combine is not None:
             ws = (workspace, workspace + self.ws_l_offset, workspace + self.ws_m_offset)
-        with self.lock, _plan.Context(self.ctx) as drv:
+        with self.lock, Context(self.ctx) as drv:
             self.kernel.params[0][0:11] = (q, k, v, o, l, m, *ws, page_table, seqlens)
             self.kernel.launch(drv, stream)
             if self.combine is not None:
@@ -422,76 +347,11 @@ class DecodeLaunch:
                 self.combine.launch(drv, stream)
 
 
-# id(plan) -> (plan, DecodeLaunch): the plan is held so that its id is not reused.
-_launches: dict = {}
+def bound_plan(choice: DecodeChoice, device_id: int) -> DecodePlan:
+    """The :class:`DecodePlan` of a choice on ``device_id``, built once: kept with the choice, so
+    that the choice's id is not reused while the entry lives."""
+    return PLANS.get_or_build(("decode", id(choice), device_id), _kept_plan, choice, device_id)[1]
 
 
-def bound_launch(plan: DecodePlan, device_id: int) -> DecodeLaunch:
-    """The plan's :class:`DecodeLaunch` on ``device_id``, built once."""
-    entry = _launches.get((id(plan), device_id))
-    if entry is None:
-        entry = (plan, DecodeLaunch(plan, device_id))
-        _plan.remember(_launches, (id(plan), device_id), entry)
-    return entry[1]
-
-
-def run_plan(plan: DecodePlan, q, k, v, *, page_table=None, seqlens_k=None, workspace=None,
-             out=None) -> _api.AttentionOutput:
-    """Launch a :func:`plan_decode` plan on CuPy arrays of the shapes and strides it was made
-    for, on CuPy's current stream. ``workspace``: a device buffer (cupy.cuda.MemoryPointer or
-    a float32 array) of at least ``bound_launch(plan, device).workspace_bytes`` bytes, or None
-    to take it from CuPy's pool; ``out``: (o, l, m) to write, or None for new arrays. With both
-    given a call allocates nothing (what a captured CUDA graph needs)."""
-    import cupy
-
-    return _run_launch(bound_launch(plan, q.data.device_id), q, k, v, page_table, seqlens_k, workspace, out,
-                       cupy.cuda.get_current_stream().ptr)
-
-
-def _run_launch(launch: DecodeLaunch, q, k, v, page_table, seqlens_k, workspace, out, stream):
-    """One call of a bound launch on CuPy arrays, on the current device: outputs and workspace
-    from CuPy's pool unless given."""
-    import cupy
-
-    if out is None:
-        specs, nbytes = launch.output_specs(q.dtype)
-        if workspace is None:  # one allocation holds them all
-            o, l, m, workspace = _api.new_outputs(specs, nbytes)
-        else:  # o, l and m alone: the layout's first three, up to where the workspace starts
-            o, l, m = _api.new_outputs(specs[:3], specs[3][2])
-    else:
-        o, l, m = out
-    ws = 0
-    if launch.workspace_bytes:
-        if workspace is None:
-            workspace = cupy.cuda.alloc(launch.workspace_bytes)
-        elif isinstance(workspace, cupy.ndarray) and (not workspace.flags.c_contiguous
-                                                       or workspace.nbytes < launch.workspace_bytes):
-            raise ValueError(f"workspace must be a contiguous array of at least {launch.workspace_bytes} bytes, "
-                             f"got {_shape_text(workspace)}")
-        ws = workspace.data.ptr if isinstance(workspace, cupy.ndarray) else workspace.ptr
-    launch.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, m.data.ptr,
-               0 if page_table is None else page_table.data.ptr, 0 if seqlens_k is None else seqlens_k.data.ptr,
-               ws, stream)
-    return _api.AttentionOutput(o, l, m)
-
-
-def run_routed(forward_plan, q, k, v, causal: bool, scale, window, out=None) -> _api.AttentionOutput:
-    """A call of :func:`cuflash.attention` without decoding arguments that its forward plan
-    routes here (``forward_plan.decode``, see :func:`routes_short_queries`): the bound launch is
-    kept on that plan, so a repeated call looks nothing up again."""
-    import contextlib
-
-    import cupy
-
-    launch = forward_plan.decode_launch
-    if launch is None or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:  # planning raises alignment errors
-        device_id = q.data.device_id
-        with q.device:
-            plan = plan_decode(q, k, v, causal=causal, scale=scale, window=window, sm_count=_plan.sm_count(device_id))
-        launch = forward_plan.decode_launch = bound_launch(plan, device_id)
-    if out is not None:
-        out = _checked_out(launch, out, q, k, v)
-    stream, current = _api._stream_on(forward_plan.device_id)
-    with (contextlib.nullcontext() if current else cupy.cuda.Device(forward_plan.device_id)):
-        return _run_launch(launch, q, k, v, None, None, None, out, stream)
+def _kept_plan(choice: DecodeChoice, device_id: int) -> tuple:
+    return choice, DecodePlan(choice, device_id)

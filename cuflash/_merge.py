@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ._api import AttentionOutput
+from ._arrays import AttentionOutput
 
 __all__ = ["merge", "merge_stacked"]
 

@@ -6,7 +6,7 @@
 
 The kernels run inside XLA's own execution through ``jax.experimental.buffer_callback``: the
 callback gets XLA's device buffers and its CUDA stream, looks up the launch plan of the call's
-shapes (cuflash/_plan.py) and launches it on that stream, reading the inputs in place and
+shapes (cuflash/_spine.py) and launches it on that stream, reading the inputs in place and
 writing o, l, m and the gradients straight into XLA's output buffers. jaxlib offers no stable
 way to launch run-time compiled GPU code from a custom call without Python: its FFI needs a
 handler compiled ahead of time, and the Triton custom call is internal; so each call costs one
@@ -20,7 +20,7 @@ trace time from the static shapes, so the splits' workspace is one more output o
 (XLA allocates it with the program's temporaries) and a callback only writes pointers into the
 plan's bound launch; the lengths and page indices are read by the kernels from device memory,
 never by the host. Short-query calls without those arguments take the same kernels where
-cuflash.attention would (``_decode.routes_short_queries``) and stay differentiable: their o, l,
+cuflash.attention would (``_spine.routes_short_queries``) and stay differentiable: their o, l,
 m feed the usual backward.
 
 Memory: cuflash's results and scratch space come from CuPy's memory pool, outside XLA's.
@@ -44,7 +44,9 @@ except ModuleNotFoundError as error:
 if not _requirements.installed("cupy"):
     raise _requirements.missing_cupy("cuflash.jax")
 
-from . import _api, _broadcast, _checks, _decode, _plan
+from . import _broadcast, _spine
+from ._spine import PLANS
+from .masks import window_option
 
 __all__ = ["attention"]
 
@@ -73,43 +75,49 @@ def _cupy_stream(ptr: int, device: int):
 
 
 # XLA lays out a custom call's operands row-major, so shapes, dtype and device are the whole
-# signature of a call: (shapes, dtype, device, options) -> launch plan.
-_plans: dict = {}
+# signature of a call: (shapes, dtype, device, options) finds its launch plan in the plan cache
+# (cuflash/_cache.py), whose hit path this is.
+_recent = PLANS.recent.get
 
 
 def _forward_plan(q, k, v, device, options, lengths=None):
     """lengths: (num_seqs, max_seqlen_q, max_seqlen_k) of a packed varlen batch, else None."""
-    key = (q.shape, k.shape, v.shape, q.dtype, device, options, lengths)
-    plan = _plans.get(key)
+    key = ("jax forward", q.shape, k.shape, v.shape, q.dtype, device, options, lengths)
+    plan = _recent(key)
     if plan is None:
-        causal, scale, mask, window = options
-        operands = (tuple(q.shape), _plan.contiguous_strides(q.shape), tuple(k.shape), _plan.contiguous_strides(k.shape),
-                    tuple(v.shape), _plan.contiguous_strides(v.shape), _checks.dtype_name(q.dtype), device, causal, scale)
-        ptrs = (_pointer(q), _pointer(k), _pointer(v))
-        if lengths is None:
-            plan = _plan.forward_plan(*operands, mask, window, ptrs)
-        else:
-            plan = _plan.varlen_forward_plan(*operands, window, *lengths[:2], ptrs)
-        _plans[key] = plan
+        plan = PLANS.get_or_build(key, _new_forward_plan, q, k, v, device, options, lengths)
     return plan
+
+
+def _new_forward_plan(q, k, v, device, options, lengths):
+    causal, scale, mask, window = options
+    problem = _spine.forward_problem((q.shape, k.shape, v.shape), (_row_major(q), _row_major(k), _row_major(v)),
+                                     (q.dtype, k.dtype, v.dtype), device, causal=causal, scale=scale, mask=mask,
+                                     window=window, varlen=None if lengths is None else _spine.Varlen(*lengths))
+    return _spine.forward(problem, (_pointer(q), _pointer(k), _pointer(v)))
+
+
+def _row_major(x) -> tuple:
+    """The element strides XLA lays a custom call's operand out with."""
+    return _spine.contiguous_strides(x.shape)
 
 
 def _backward_plan(args, device, options, deterministic, lengths=None):
-    key = tuple(a.shape for a in args) + (args[1].dtype, device, options, deterministic, lengths)
-    plan = _plans.get(key)
+    key = ("jax backward", *(a.shape for a in args), args[1].dtype, device, options, deterministic, lengths)
+    plan = _recent(key)
     if plan is None:
-        causal, scale, mask, window = options
-        main = args[:5]
-        stats = tuple((tuple(x.shape), _plan.contiguous_strides(x.shape), "float32") for x in args[5:7])
-        operands = (tuple(tuple(x.shape) for x in main), tuple(_plan.contiguous_strides(x.shape) for x in main),
-                    _checks.dtype_name(args[1].dtype), stats, device, causal, scale)
-        ptrs = tuple(_pointer(x) for x in main)
-        if lengths is None:
-            plan = _plan.backward_plan(*operands, mask, window, deterministic, ptrs)
-        else:
-            plan = _plan.varlen_backward_plan(*operands, window, deterministic, *lengths, ptrs)
-        _plans[key] = plan
+        plan = PLANS.get_or_build(key, _new_backward_plan, args, device, options, deterministic, lengths)
     return plan
+
+
+def _new_backward_plan(args, device, options, deterministic, lengths):
+    causal, scale, mask, window = options
+    main = args[:5]
+    problem = _spine.backward_problem(
+        tuple(x.shape for x in main), tuple(_row_major(x) for x in main), tuple(x.dtype for x in main),
+        tuple((x.shape, _row_major(x), x.dtype) for x in args[5:7]), device, causal=causal, scale=scale, mask=mask,
+        window=window, deterministic=deterministic, varlen=None if lengths is None else _spine.Varlen(*lengths))
+    return _spine.backward(problem, tuple(_pointer(x) for x in main))
 
 
 def _xla_stream(ctx) -> int:
@@ -126,8 +134,8 @@ def _run_forward(ctx, outs, q, k, v, options, lengths=None, cu_seqlens=()):
     """cu_seqlens: the (cu_seqlens_q, cu_seqlens_k) buffers of a varlen call (lengths given)."""
     plan = _forward_plan(q, k, v, _device_of(outs[0]), options, lengths)
     o, l, m = outs
-    plan.run(_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m), ctx.stream,
-             *(_pointer(c) for c in cu_seqlens))
+    plan.run((_pointer(q), _pointer(k), _pointer(v), _pointer(o), _pointer(l), _pointer(m),
+              *(_pointer(c) for c in cu_seqlens)), ctx.stream)
 
 
 def _run_backward(ctx, outs, args, options, deterministic, lengths=None):
@@ -142,7 +150,7 @@ def _run_backward(ctx, outs, args, options, deterministic, lengths=None):
         workspace = cupy.cuda.alloc(plan.workspace_bytes) if plan.workspace_bytes else None
         base = 0 if workspace is None else workspace.ptr
         grads = [0 if g.kind == "generic" else _pointer(out) for g, out in zip(plan.grads, outs)]
-        plan.run(*(_pointer(a) for a in args[:7]), *grads, base, ctx.stream, *(_pointer(c) for c in args[7:]))
+        plan.run((*(_pointer(a) for a in args[:7]), *grads, base, *(_pointer(c) for c in args[7:])), ctx.stream)
         for g, out in zip(plan.grads, outs):
             if g.kind == "generic":  # broadcast inputs: summed back by CuPy, copied into XLA's buffer
                 acc = cupy.ndarray(g.acc_shape, np.float32, workspace + g.offset)
@@ -196,7 +204,7 @@ class _RowMajorBuffer:
     def __init__(self, shape, dtype, ptr: int = 0, device_id: int = 0):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
-        self.strides = tuple(s * self.dtype.itemsize for s in _plan.contiguous_strides(self.shape))
+        self.strides = tuple(s * self.dtype.itemsize for s in _spine.contiguous_strides(self.shape))
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
         self.data = types.SimpleNamespace(ptr=ptr)
@@ -223,13 +231,13 @@ def _gpu_size(device):
     """plan_decode's sm_count for ``device`` (None: its default)."""
     if device is None:
         return {}
-    return dict(sm_count=_plan.sm_count(device))
+    return dict(sm_count=_spine.sm_count(device))
 
 
 _DECODE_INPUTS = ("q", "k", "v", "page_table", "seqlens_k")
-# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodePlan, callback):
-# the split count, hence the workspace output's size, is fixed when the call is traced.
-_decode_calls: dict = {}
+# (shapes and dtypes of the inputs, options, forward options, device) -> (DecodeChoice, callback)
+# in the plan cache: the split count, hence the workspace output's size, is fixed when the call
+# is traced.
 
 
 def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=None):
@@ -238,20 +246,9 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
     arguments); they are the differentiable forward's, for its fallback under jax.vmap."""
     arrays = dict(zip(_DECODE_INPUTS, (q, k, v, page_table, seqlens_k)))
     device = _trace_device()
-    key = tuple(None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in arrays.values()) + (
-        options, forward_options, device)
-    entry = _decode_calls.get(key)
-    if entry is None:
-        causal, scale, window, num_splits = options
-        meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0)
-                for name, x in arrays.items()}
-        plan = _decode.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
-                                   page_table=meta["page_table"], seqlens_k=meta["seqlens_k"],
-                                   num_splits=num_splits, **_gpu_size(device))
-        names = tuple(name for name, x in arrays.items() if x is not None)
-        entry = plan, _decode_callback(plan, names, options, forward_options)
-        _plan.remember(_decode_calls, key, entry)
-    plan, callback = entry
+    key = ("jax decode", *(None if x is None else (tuple(x.shape), np.dtype(x.dtype)) for x in arrays.values()),
+           options, forward_options, device)
+    plan, callback = PLANS.get_or_build(key, _traced_decode, arrays, device, options, forward_options)
     stats = jax.ShapeDtypeStruct(plan.out_shape[:-1], np.float32)
     shapes = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype), stats, stats)
     if plan.workspace_bytes:
@@ -261,6 +258,18 @@ def _decode_outputs(q, k, v, page_table, seqlens_k, options, forward_options=Non
     # plans the batched shapes (_run_decode).
     call = buffer_callback(callback, shapes, vmap_method="sequential" if forward_options is None else "expand_dims")
     return tuple(call(*(x for x in arrays.values() if x is not None))[:3])
+
+
+def _traced_decode(arrays, device, options, forward_options):
+    """(DecodeChoice, callback) of a decoding call's traced arrays."""
+    causal, scale, window, num_splits = options
+    meta = {name: None if x is None else _RowMajorBuffer(x.shape, x.dtype, 0, device or 0)
+            for name, x in arrays.items()}
+    plan = _spine.plan_decode(meta["q"], meta["k"], meta["v"], causal=causal, scale=scale, window=window,
+                              page_table=meta["page_table"], seqlens_k=meta["seqlens_k"], num_splits=num_splits,
+                              **_gpu_size(device))
+    names = tuple(name for name, x in arrays.items() if x is not None)
+    return plan, _decode_callback(plan, names, options, forward_options)
 
 
 def _decode_callback(plan, names, options, forward_options):
@@ -293,15 +302,11 @@ def _run_decode(ctx, outs, args, plan, options, forward_options):
     for name in ("q", "k", "v"):
         x = arrays[name]
         if x.data.ptr & 15:
-            raise _checks.vector_alignment_error(name, x.shape, _plan.contiguous_strides(x.shape), x.data.ptr,
-                                                 _checks.dtype_name(x.dtype))
+            raise _spine.vector_alignment_error(name, x.shape, _spine.contiguous_strides(x.shape), x.data.ptr,
+                                                _spine.dtype_name(x.dtype))
     pointers = [0 if arrays.get(name) is None else arrays[name].data.ptr for name in _DECODE_INPUTS]
-    _decode.bound_launch(plan, device).run(*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
-                                           0 if workspace is None else workspace.data.ptr, _xla_stream(ctx))
-
-
-# (shapes, dtype, split count, options) of a routed call's vmapped buffers -> DecodePlan or None.
-_batched_decode_plans: dict = {}
+    _spine.bound_plan(plan, device).run((*pointers[:3], o.data.ptr, l.data.ptr, m.data.ptr, *pointers[3:],
+                                         0 if workspace is None else workspace.data.ptr), _xla_stream(ctx))
 
 
 def _batched_decode_plan(arrays, num_splits, options):
@@ -311,14 +316,14 @@ def _batched_decode_plan(arrays, num_splits, options):
     traced plan's bytes hold B times its rows in as many splits (each part is rounded up once
     instead of B times)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    key = (q.shape, k.shape, v.shape, q.dtype, num_splits, options)
-    if key not in _batched_decode_plans:
-        plan = None
-        if _decode.routes_short_queries(q, k, v):
-            causal, scale, window, _ = options
-            plan = _decode.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits)
-        _plan.remember(_batched_decode_plans, key, plan)
-    return _batched_decode_plans[key]
+
+    def build():  # (plan or None,): the cache keeps no None
+        if not _spine.routes_short_queries(q, k, v):
+            return (None,)
+        causal, scale, window, _ = options
+        return (_spine.plan_decode(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits),)
+
+    return PLANS.get_or_build(("jax batched decode", q.shape, k.shape, v.shape, q.dtype, num_splits, options), build)[0]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
@@ -343,18 +348,13 @@ _decoding_jit = jax.jit(_decoding, static_argnums=(5,))
 
 def _check(q, k, v, scale, block_mask, window):
     """Trace-time validation: errors surface at the call site, not inside XLA's callback."""
-    _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    _checks.check_head_dims(q.shape, k.shape, v.shape)
-    _checks.resolve_scale(scale, q.shape[-1])
-    lead = _broadcast.out_lead_shape(q.shape, k.shape, v.shape)
-    _checks.check_sparsity(block_mask, None, window, q.shape[-2], k.shape[-2], lead)
-    return lead
+    return _spine.check_traced((q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), scale, block_mask, window)
 
 
 def _forward(q, k, v, options):
     lead = _check(q, k, v, *options[1:])
     causal, scale, mask, window = options
-    if _decode.routes_short_queries(*(_RowMajorBuffer(x.shape, x.dtype) for x in (q, k, v)), mask):
+    if _spine.routes_short_queries(*(_RowMajorBuffer(x.shape, x.dtype) for x in (q, k, v)), mask):
         return _decode_outputs(q, k, v, None, None, (causal, scale, window, None), forward_options=options)
     nq, dv = q.shape[-2], v.shape[-1]
     stats = jax.ShapeDtypeStruct(lead + (nq,), np.float32)
@@ -432,7 +432,7 @@ _varlen_jit = jax.jit(_varlen, static_argnums=(5, 6, 7))
 def _longest(name, value, cu, total):
     """max_seqlen_q / _k: as given, or read from concrete boundaries (a host copy); under jit
     the boundaries are traced, so the value must be given."""
-    value = _checks.check_max_seqlen(name, value)
+    value = _spine.check_max_seqlen(name, value)
     if value is not None:
         return value
     try:
@@ -440,7 +440,7 @@ def _longest(name, value, cu, total):
     except jax.errors.TracerArrayConversionError:
         raise ValueError(f"{name} must be given (a host int) when cu_seqlens are traced, e.g. under jax.jit: "
                          f"the lengths live on the device") from None
-    return _api.longest_sequence(host, total)
+    return _spine.longest_sequence(host, total)
 
 
 def _check_int_arrays(**arrays):
@@ -453,9 +453,9 @@ def _check_int_arrays(**arrays):
 
 def _varlen_attention(q, k, v, causal, scale, window, deterministic, cu_q, cu_k, max_q, max_k):
     _check_int_arrays(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    meta = [None if c is None else (tuple(c.shape), _checks.dtype_name(c.dtype), 0) for c in (cu_q, cu_k)]
-    num_seqs = _checks.check_cu_seqlens(*meta, 0)  # XLA places every operand of a call on one device
-    _checks.check_varlen_shapes(q.shape, k.shape, v.shape)
+    meta = [None if c is None else (tuple(c.shape), _spine.dtype_name(c.dtype), 0) for c in (cu_q, cu_k)]
+    num_seqs = _spine.check_cu_seqlens(*meta, 0)  # XLA places every operand of a call on one device
+    _spine.check_varlen_shapes(q.shape, k.shape, v.shape)
     lengths = (num_seqs, _longest("max_seqlen_q", max_q, cu_q, q.shape[-2]),
                _longest("max_seqlen_k", max_k, cu_k, k.shape[-2]))
     return _varlen_jit(q, k, v, cu_q, cu_k, (causal, scale, None, window), lengths, deterministic)
@@ -494,7 +494,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             time from the shapes and JAX's default GPU. XLA passes operands row-major: keep a
             cache as (num_pages, Hk, page_size, d), since ``jnp.swapaxes`` of vLLM's layout
             is a transposed copy of the whole cache. Under jax.vmap such a call runs once an
-            example. Calls with 1-16 queries a head against at least ``_api.DECODE_MIN_KEYS``
+            example. Calls with 1-16 queries a head against at least 64
             keys take the same kernels on their own, differentiably.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length
             batch, as in :func:`cuflash.attention`: q (Hq, total_q, d), k / v (Hk, total_k,
@@ -511,10 +511,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
         ...                                    seqlens_k=context_lens)
     """
     scale = None if scale is None else float(scale)
-    mask = _api.as_block_mask(block_mask, block_size)
-    window = _api.window_option(window)
+    mask = _spine.as_block_mask(block_mask, block_size)
+    window = window_option(window)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
+        _spine.check_varlen_options(mask, page_table, seqlens_k, num_splits)
         return _varlen_attention(q, k, v, bool(causal), scale, window, bool(deterministic), cu_seqlens_q,
                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if page_table is not None or seqlens_k is not None or num_splits is not None:
@@ -522,7 +522,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, deterministic: bool 
             raise ValueError("block_mask cannot be combined with page_table, seqlens_k or num_splits "
                              "(the split-KV decoding path)")
         _check_int_arrays(page_table=page_table, seqlens_k=seqlens_k)
-        options = (bool(causal), scale, window, _decode._check_num_splits(num_splits))
+        options = (bool(causal), scale, window, _spine.check_num_splits(num_splits))
         return _decoding_jit(q, k, v, page_table, seqlens_k, options)
     options = (bool(causal), scale, mask, window)
     return _attention_jit(q, k, v, options, bool(deterministic))

@@ -8,7 +8,7 @@ Both passes are registered as custom operators (``torch.ops.cuflash.attention_fw
 ``torch.ops.cuflash.attention_bwd``) with fake (meta) implementations and an autograd
 formula, so they work under ``torch.compile(fullgraph=True)``, ``torch.export`` and
 ``torch.library.opcheck``; eager calls go through an ``autograd.Function`` straight to the same
-launch plans (cuflash/_plan.py), skipping the operators' dispatch.  The kernels run on torch's
+launch plans (cuflash/_spine.py), skipping the operators' dispatch.  The kernels run on torch's
 current stream of the inputs' device; outputs and scratch space come from torch's caching
 allocator, so the calls are capturable in CUDA graphs.
 """
@@ -27,9 +27,8 @@ except ModuleNotFoundError as error:
 if not _requirements.installed("cupy"):
     raise _requirements.missing_cupy("cuflash.torch")
 
-from . import _broadcast, _checks, _config, _decode, _plan, _views
-from ._api import AttentionOutput
-from ._checks import NO_WINDOW, as_block_mask
+from . import _broadcast, _spine, _views
+from ._spine import NO_WINDOW, PLANS, AttentionOutput, as_block_mask
 from .masks import BlockMask, window_option
 
 __all__ = ["attention"]
@@ -58,20 +57,20 @@ except AttributeError:  # pragma: no cover - older or newer torch
         return torch.cuda.current_stream(index).cuda_stream
 
 
-# (shapes, strides, dtypes, devices, options) -> launch plan, for calls that repeat a signature.
-_forward_calls: dict = {}
-_backward_calls: dict = {}
+# The plan cache's hit path (cuflash/_cache.py): a call's raw arguments (shapes, strides,
+# dtypes, devices, options) find its launch plan when it repeats a signature.
+_recent = PLANS.recent.get
 
 
 def _forward_impl(q, k, v, causal, scale, mask, window):
     """o, l, m of cuflash's forward on torch's current stream; outputs from torch's allocator,
     three of them (a custom operator's outputs may not share memory)."""
-    plan = _forward_plan(q, k, v, causal, scale, mask, window)
+    plan, _ = _forward_plan(q, k, v, causal, scale, mask, window)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
+    plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr()),
              _raw_stream(device.index))
     return o, l, m
 
@@ -82,51 +81,49 @@ def _split_stats(stats, shape):
     return stats[:n].view(shape), stats[n:2 * n].view(shape)
 
 
-def _forward_plan(q, k, v, causal, scale, mask, window):
-    """The forward plan of a call's signature, from this adapter's cache of raw signatures."""
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, causal, scale, mask, window, _config.GENERATION[0])
-    plan = _forward_calls.get(key)
-    if plan is None:
-        device = _check_cuda(q, k, v)
-        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-        plan = _plan.forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
-                                  dtype, device.index, causal, scale, mask, window,
-                                  (q.data_ptr(), k.data_ptr(), v.data_ptr()))
-        plan.decode = _routes_short_queries(q, k, v, mask, plan)
-        _plan.remember(_forward_calls, key, plan)
-    return plan
+def _forward_plan(q, k, v, causal, scale, mask, window, route=False):
+    """(the forward plan of a call's signature, the decoding launch it is routed to or None),
+    found by the call's raw arguments. ``route``: the call may take the split-KV kernels (autograd
+    does not record it), as cuflash.attention routes a few queries a head against many keys."""
+    key = ("torch forward", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device, causal, scale, mask, window, route)
+    entry = _recent(key)
+    if entry is None:
+        entry = PLANS.get_or_build(key, _new_forward_plan, q, k, v, causal, scale, mask, window, route)
+    return entry
+
+
+def _new_forward_plan(q, k, v, causal, scale, mask, window, route=False, varlen=None):
+    device = _check_cuda(q, k, v)
+    problem = _spine.forward_problem((q.shape, k.shape, v.shape), (q.stride(), k.stride(), v.stride()),
+                                     (q.dtype, k.dtype, v.dtype), device.index, causal=causal, scale=scale, mask=mask,
+                                     window=window, varlen=varlen)
+    plan = _spine.forward(problem, (q.data_ptr(), k.data_ptr(), v.data_ptr()))
+    launch = None
+    if route and plan.kernel is not None:  # asked on zero-copy views, as the CuPy front end asks it
+        with _spine.on_device(device.index):
+            views = [_views.torch_view(t, same_stream=True) for t in (q, k, v)]
+        launch = _spine.routed(*views, problem)
+    return plan, launch
 
 
 def _forward_with_plan(q, k, v, causal, scale, mask, window, route=False):
     """o, the statistics buffer (l's rows, then m's: _split_stats; one allocation for both) and
-    the forward's plan, whose ``backward_plans`` the eager backward uses. With ``route`` (a call
+    the forward's plan, by which the eager backward finds its own. With ``route`` (a call
     autograd does not record) a few queries a head against many keys take the split-KV
-    decoding kernels, as cuflash.attention routes them (_decode.routes_short_queries)."""
-    plan = _forward_plan(q, k, v, causal, scale, mask, window)
-    if route and plan.decode:  # the bound decoding launch is kept on the forward plan: no second look-up
-        launch = plan.decode_launch
-        if launch is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-            launch = plan.decode_launch = _decode_launch((q, k, v, None, None), causal, scale, window, None)
+    decoding kernels, as cuflash.attention routes them (_spine.routed)."""
+    plan, launch = _forward_plan(q, k, v, causal, scale, mask, window, route)
+    if launch is not None:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            plan.check_alignment((q.data_ptr(), k.data_ptr(), v.data_ptr()))  # the error the forward gives
         return (*_decode_run(launch, q, k, v, None, None), plan)
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     stats = torch.empty(2 * plan.stats_rows, dtype=torch.float32, device=device)
     l = stats.data_ptr()
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * plan.stats_rows,
+    plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * plan.stats_rows),
              _raw_stream(device.index))
     return o, stats, plan
-
-
-def _routes_short_queries(q, k, v, mask, plan) -> bool:
-    """The CuPy front end's routing rule, asked once per signature on zero-copy views."""
-    if plan.kernel is None:
-        return False
-    import cupy
-
-    with cupy.cuda.Device(q.device.index):
-        views = [_views.torch_view(t, same_stream=True) for t in (q, k, v)]
-    return _decode.routes_short_queries(*views, mask)
 
 
 # ---- packed variable-length batches ------------------------------------------------------
@@ -135,13 +132,13 @@ def _routes_short_queries(q, k, v, mask, plan) -> bool:
 def _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k):
     """The number of sequences, after the checks of cu_seqlens_q / _k (dtype, rank, length,
     q's device); their values are not read."""
-    meta = [None if c is None else (tuple(c.shape), _checks.dtype_name(c.dtype), c.device)
+    meta = [None if c is None else (tuple(c.shape), _spine.dtype_name(c.dtype), c.device)
             for c in (cu_seqlens_q, cu_seqlens_k)]
-    return _checks.check_cu_seqlens(*meta, q.device)
+    return _spine.check_cu_seqlens(*meta, q.device)
 
 
 def _longest_sequence(cu, total: int) -> int:
-    """As cuflash._api.longest_sequence (the kernels' clamping rule), on a torch tensor: one
+    """As cuflash._spine.longest_sequence (the kernels' clamping rule), on a torch tensor: one
     device-to-host copy."""
     if cu.numel() < 2:
         return 0
@@ -160,20 +157,20 @@ def _varlen_forward_impl(q, k, v, causal, scale, window, cu_q, cu_k, max_seqlen_
     """o, l, m of a packed variable-length batch on torch's current stream."""
     max_q, _ = _max_seqlens(cu_q, cu_k, max_seqlen_q, 0, q, k)
     num_seqs = _varlen_boundaries(q, cu_q, cu_k)
-    device = _check_cuda(q, k, v)
-    dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-    plan = _plan.varlen_forward_plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape),
-                                     v.stride(), dtype, device.index, causal, scale, window, num_seqs, max_q,
-                                     (q.data_ptr(), k.data_ptr(), v.data_ptr()))
+    key = ("torch varlen forward", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device, causal, scale, window, num_seqs, max_q)
+    entry = _recent(key)
+    if entry is None:
+        entry = PLANS.get_or_build(key, _new_forward_plan, q, k, v, causal, scale, None, window, False,
+                                   _spine.Varlen(num_seqs, max_q))
+    plan = entry[0]
+    device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     m = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
-    plan.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(),
-             _raw_stream(device.index), cu_q.data_ptr(), cu_k.data_ptr())
+    plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l.data_ptr(), m.data_ptr(), cu_q.data_ptr(),
+              cu_k.data_ptr()), _raw_stream(device.index))
     return o, l, m
-
-
-_decode_plans: dict = {}
 
 
 def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None, num_splits=None):
@@ -182,40 +179,40 @@ def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None
     torch's allocator and the launch bound once per signature: a decode step can be captured in
     a CUDA graph (lengths and pages are read from device memory, never by the host)."""
     tensors = (q, k, v, page_table, seqlens_k)
-    key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
-        causal, scale, window, num_splits)
-    launch = _decode_plans.get(key)
-    if launch is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # planning raises alignment errors
-        launch = _decode_launch(tensors, causal, scale, window, num_splits)
-        _plan.remember(_decode_plans, key, launch)
+    key = ("torch decode", *(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+           causal, scale, window, num_splits)
+    launch = _recent(key)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # planning again raises the alignment error
+        key = launch = None
+    if launch is None:
+        launch = PLANS.get_or_build(key, _decode_plan, tensors, causal, scale, window, num_splits)
     return _decode_run(launch, q, k, v, page_table, seqlens_k)
 
 
-def _decode_launch(tensors, causal, scale, window, num_splits):
-    """The bound decoding launch of (q, k, v, page_table, seqlens_k), planned on zero-copy views."""
+def _decode_plan(tensors, causal, scale, window, num_splits):
+    """The DecodePlan of (q, k, v, page_table, seqlens_k), planned on zero-copy views."""
     import cupy
 
     device = _check_cuda(*(t for t in tensors if t is not None))
     with cupy.cuda.Device(device.index):
         views = [None if t is None else _views.torch_view(t, same_stream=True) for t in tensors]
-        plan = _decode.plan_decode(*views[:3], causal=causal, scale=scale, window=window, page_table=views[3],
-                                   seqlens_k=views[4], num_splits=num_splits, sm_count=_plan.sm_count(device.index))
-        return _decode.bound_launch(plan, device.index)
+        return _spine.decode_plan(*views, causal=causal, scale=scale, window=window, num_splits=num_splits,
+                                    device=device.index)
 
 
 def _decode_run(launch, q, k, v, page_table, seqlens_k):
-    """o and the statistics buffer (as _forward_with_plan's) of one decoding call; the buffer's
-    tail past the statistics is the launch's workspace: two allocations a call."""
-    plan, device = launch.plan, q.device
-    o = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
-    rows = math.prod(plan.out_shape[:-1])
-    workspace_at = _plan.align(8 * rows)  # bytes: l and m, then the workspace
+    """o and the statistics buffer (as _forward_with_plan's) of one call of the DecodePlan
+    ``launch``; the buffer's tail past the statistics is its workspace: two allocations a call."""
+    choice, device = launch.choice, q.device
+    o = torch.empty(choice.out_shape, dtype=q.dtype, device=device)
+    rows = math.prod(choice.out_shape[:-1])
+    workspace_at = _spine.align(8 * rows)  # bytes: l and m, then the workspace
     floats = (workspace_at + launch.workspace_bytes) // 4 if launch.workspace_bytes else 2 * rows
     stats = torch.empty(floats, dtype=torch.float32, device=device)
     l = stats.data_ptr()
-    launch.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * rows,
-               0 if page_table is None else page_table.data_ptr(), 0 if seqlens_k is None else seqlens_k.data_ptr(),
-               l + workspace_at if launch.workspace_bytes else 0, _raw_stream(device.index))
+    launch.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, l + 4 * rows,
+                0 if page_table is None else page_table.data_ptr(), 0 if seqlens_k is None else seqlens_k.data_ptr(),
+                l + workspace_at if launch.workspace_bytes else 0), _raw_stream(device.index))
     return o, stats
 
 
@@ -235,14 +232,13 @@ def _backward_impl(do, q, k, v, o, l, m, causal, scale, mask, window, determinis
 def _eager_backward(forward_plan, do, q, k, v, o, stats, causal, scale, mask, window, deterministic):
     """dq, dk, dv of a dense call the eager path ran on ``forward_plan`` (q, k, v, o and the
     statistics buffer ``stats`` are what it ran on, and autograd gives dO o's shape and device):
-    the backward's plan is looked up by dO's strides and dtype alone, in
-    ``forward_plan.backward_plans``."""
+    the backward's plan is looked up by the forward's plan and dO's strides and dtype alone."""
     l = stats.data_ptr()
     m = l + 4 * forward_plan.stats_rows
     short = None
     if not do.data_ptr() & 15:  # a misaligned dO is copied
-        short = (do.stride(), do.dtype, deterministic)
-        plan = forward_plan.backward_plans.get(short)
+        short = ("torch eager backward", forward_plan, do.stride(), do.dtype, deterministic)
+        plan = _recent(short)
         if plan is not None:
             return _backward_run(plan, do, q, k, v, o, l, m, ())
     plan, do, _ = _backward_signature(do, q, k, v, o, *_split_stats(stats, o.shape[:-1]), causal, scale, mask,
@@ -264,34 +260,30 @@ def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deter
     if varlen is not None:
         cu_q, cu_k, max_q, max_k = varlen
         max_q, max_k = _max_seqlens(cu_q, cu_k, max_q, max_k, q, k)
-        num_seqs = _varlen_boundaries(q, cu_q, cu_k)
-        device = _check_cuda(*tensors)
-        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-        _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-        main = (do, q, k, v, o)
-        stats = tuple((tuple(t.shape), t.stride(), _checks.dtype_name(t.dtype)) for t in (l, m))
-        plan = _plan.varlen_backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main),
-                                          dtype, stats, device.index, causal, scale, window, deterministic, num_seqs,
-                                          max_q, max_k, tuple(t.data_ptr() for t in main))
+        packed = (_varlen_boundaries(q, cu_q, cu_k), max_q, max_k)
         cu_seqlens = (cu_q.data_ptr(), cu_k.data_ptr())
-        key = None
     else:
-        key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors) + (
-            causal, scale, mask, window, deterministic, _config.GENERATION[0])
-        plan = _backward_calls.get(key)
+        packed = None
+    key = ("torch backward", *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), causal, scale, mask,
+           window, deterministic, packed)
+    plan = _recent(key)
     if plan is None:
-        device = _check_cuda(*tensors)
-        dtype = _checks.check_dtypes(q.dtype, k.dtype, v.dtype)
-        _checks.check_like_q(dtype, do=do.dtype, o=o.dtype)
-        main = (do, q, k, v, o)
-        stats = tuple((tuple(t.shape), t.stride(), _checks.dtype_name(t.dtype)) for t in (l, m))
-        plan = _plan.backward_plan(tuple(tuple(t.shape) for t in main), tuple(t.stride() for t in main), dtype,
-                                   stats, device.index, causal, scale, mask, window, deterministic,
-                                   tuple(t.data_ptr() for t in main))
-        _plan.remember(_backward_calls, key, plan)
+        plan = PLANS.get_or_build(key, _new_backward_plan, tensors, causal, scale, mask, window, deterministic,
+                                  None if packed is None else _spine.Varlen(*packed))
     if short is not None and not copied:  # a dO laid out like this one needs no copy either
-        _plan.remember(forward_plan.backward_plans, short, plan)
+        PLANS.get_or_build(short, lambda found: found, plan)
     return plan, do, cu_seqlens
+
+
+def _new_backward_plan(tensors, causal, scale, mask, window, deterministic, varlen=None):
+    do, q, k, v, o, l, m = tensors
+    device = _check_cuda(*tensors)
+    main = (do, q, k, v, o)
+    problem = _spine.backward_problem(
+        tuple(t.shape for t in main), tuple(t.stride() for t in main), tuple(t.dtype for t in main),
+        tuple((t.shape, t.stride(), t.dtype) for t in (l, m)), device.index, causal=causal, scale=scale, mask=mask,
+        window=window, deterministic=deterministic, varlen=varlen)
+    return _spine.backward(problem, tuple(t.data_ptr() for t in main))
 
 
 def _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens):
@@ -301,8 +293,8 @@ def _backward_run(plan, do, q, k, v, o, l, m, cu_seqlens):
              for g in plan.grads]
     workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device) if plan.workspace_bytes else None
     base = 0 if workspace is None else workspace.data_ptr()
-    plan.run(do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, m,
-             *(0 if g is None else g.data_ptr() for g in grads), base, _raw_stream(device.index), *cu_seqlens)
+    plan.run((do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), l, m,
+              *(0 if g is None else g.data_ptr() for g in grads), base, *cu_seqlens), _raw_stream(device.index))
     for index, g in enumerate(plan.grads):
         if g.kind == "generic":  # broadcast inputs: summed back by torch
             acc = workspace[g.offset:g.offset + 4 * math.prod(g.acc_shape)].view(torch.float32).view(g.acc_shape)
@@ -503,7 +495,7 @@ def attention(
             per-sequence lengths) on the split-KV kernels, forward only, as in
             :func:`cuflash.attention`; capturable in a CUDA graph with fixed buffers. Without
             them, a call that autograd does not record and that has 1-16 queries a head against
-            at least ``cuflash._api.DECODE_MIN_KEYS`` keys (16-bit, head dims up to 128, no
+            at least 64 keys (16-bit, head dims up to 128, no
             block mask) runs on the same kernels, as :func:`cuflash.attention` routes it.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: a packed variable-length batch,
             as in :func:`cuflash.attention` (and flash_attn_varlen_func): q (Hq, total_q, d),
@@ -524,10 +516,10 @@ def attention(
     window = window_option(window)
     causal, scale = bool(causal), None if scale is None else float(scale)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _checks.check_varlen_options(mask, page_table, seqlens_k, num_splits)
+        _spine.check_varlen_options(mask, page_table, seqlens_k, num_splits)
         if not torch.compiler.is_compiling():  # traced, the operator checks them when it runs
             _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k)
-        max_q, max_k = (-1 if x is None else _checks.check_max_seqlen(name, x)
+        max_q, max_k = (-1 if x is None else _spine.check_max_seqlen(name, x)
                         for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
         left, right = window or NO_WINDOW
         args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k)

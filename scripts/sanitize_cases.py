@@ -20,7 +20,7 @@ entries outside [0, total], which the kernels must clamp (packed_lengths). On wg
 grouped key pass (a CTA walks every query head of its k/v head), which the dispatcher takes
 only for large grids, is forced for the cases with grouped heads.
 
-Decoding (cuflash._decode): every variant, dense and paged (vLLM's layout as a view), split and
+Decoding (cuflash._api.decode_attention): every variant, dense and paged (vLLM's layout as a view), split and
 not, with lengths past the capacity and page-table entries outside [0, num_pages), which the
 kernels must clamp and mask without reading out of bounds.
 
@@ -144,7 +144,7 @@ def run_decode_case(case, rng, subset):
     capacity; paged, the table also holds entries outside [0, num_pages)."""
     import cupy
 
-    from cuflash import _decode
+    from cuflash import _api
 
     batch, capacity = DECODE_BATCH, DECODE_CAPACITY
     (hq, hk), d = case.heads, case.d
@@ -152,14 +152,14 @@ def run_decode_case(case, rng, subset):
     lengths = cupy.asarray(np.array([0, 37, capacity + 50], np.int32))
     if case.page_size is None:
         k, v = (strided(rng, batch, hk, capacity, d, case.dtype) for _ in range(2))
-        out = _decode.decode_attention(q, k, v, seqlens_k=lengths, num_splits=case.num_splits)
+        out = _api.decode_attention(q, k, v, seqlens_k=lengths, num_splits=case.num_splits)
     else:
         max_pages = -(-capacity // case.page_size)
         num_pages = batch * max_pages
         k, v = (strided(rng, num_pages, hk, case.page_size, d, case.dtype) for _ in range(2))
         table = rng.permutation(num_pages).reshape(batch, max_pages).astype(np.int32)
         table[2, ::2] = rng.choice(np.array([-1, num_pages, 2**31 - 1, -2**31], np.int32), size=table[2, ::2].shape)
-        out = _decode.decode_attention(q, k, v, page_table=cupy.asarray(table), seqlens_k=lengths,
+        out = _api.decode_attention(q, k, v, page_table=cupy.asarray(table), seqlens_k=lengths,
                                        num_splits=case.num_splits)
     return bool(cupy.isfinite(out.o).all()) and bool(cupy.isfinite(out.l).all())
 

@@ -121,21 +121,21 @@ def compare_gradients(got, exact, plain, dtype, rows=(None, None, None)):
 @contextlib.contextmanager
 def launched_variants():
     """Records the variant of every kernel launched inside the block, in launch order (every
-    launch goes through a bound cuflash._plan.Kernel)."""
-    from cuflash import _plan
+    launch goes through a bound cuflash._driver.Kernel)."""
+    from cuflash import _driver
 
     launched = []
-    launch = _plan.Kernel.launch
+    launch = _driver.Kernel.launch
 
     def recording(self, drv, stream):
         launched.append(self.variant)
         return launch(self, drv, stream)
 
-    _plan.Kernel.launch = recording
+    _driver.Kernel.launch = recording
     try:
         yield launched
     finally:
-        _plan.Kernel.launch = launch
+        _driver.Kernel.launch = launch
 
 
 @contextlib.contextmanager
@@ -156,12 +156,12 @@ def head_group_forced(form):
         return group
 
     _config.backward_head_group = forced
-    _config.GENERATION[0] += 1
+    _config.bump_generation()
     try:
         yield chosen
     finally:
         _config.backward_head_group = rule
-        _config.GENERATION[0] += 1
+        _config.bump_generation()
 
 
 @contextlib.contextmanager
@@ -173,9 +173,9 @@ def tma_refused():
 
     encode = _tma.encode
     _tma.encode = lambda *args, **kwargs: None
-    _config.GENERATION[0] += 1
+    _config.bump_generation()
     try:
         yield
     finally:
         _tma.encode = encode
-        _config.GENERATION[0] += 1
+        _config.bump_generation()

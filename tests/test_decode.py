@@ -3,6 +3,7 @@ kernel checks their layout against them when it is built), and an NVRTC build of
 variant (no GPU needed)."""
 
 import struct
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -339,3 +340,20 @@ def test_every_decode_variant_builds_within_the_spill_budget():
     over = [(v.key, arch, r["spill_stores"]) for v, arch, r in reports
             if r["spill_stores"] > compile_check.SPILL_BUDGET_BYTES]
     assert not over, over
+
+
+def test_the_public_docstrings_quote_the_routing_rule_and_the_split_limit():
+    """attention's docstring (and the adapters') state the decoding path's numbers in words: they
+    must be the numbers the code uses."""
+    import re
+
+    import cuflash
+
+    doc = " ".join(cuflash.attention.__doc__.split())
+    assert f"at least {_config.DECODE_MIN_KEYS} keys" in doc
+    assert f"1 to {_constants.MAX_DECODE_SPLITS} (None" in doc
+    assert f"1-{_constants.MAX_DECODE_QUERIES} queries a head" in doc
+    assert not re.search(r"cuflash\._\w+", doc), "the public docstring points to a private module"
+    for adapter in ("torch.py", "jax.py"):
+        text = " ".join((Path(cuflash.__file__).parent / adapter).read_text().split())
+        assert f"against at least {_config.DECODE_MIN_KEYS} keys" in text, adapter

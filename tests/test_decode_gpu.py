@@ -81,10 +81,10 @@ class PagedCache:
 
 
 def run_dense(q, k, v, lengths, *, seqlens=True, **kwargs):
-    from cuflash import _decode
+    from cuflash import _api
 
     seqlens_k = to_device(np.asarray(lengths, np.int32)) if seqlens else None
-    return _decode.decode_attention(to_device(q), poisoned_past(k, lengths), poisoned_past(v, lengths),
+    return _api.decode_attention(to_device(q), poisoned_past(k, lengths), poisoned_past(v, lengths),
                                     seqlens_k=seqlens_k, **kwargs)
 
 
@@ -131,7 +131,7 @@ def test_dense_without_lengths_reads_the_whole_cache(dtype, num_splits, rng):
 def test_short_cache_tiles(dtype, paged, rng):
     """128 sequences x 8 k/v heads (1024 CTAs, at least four an SM up to 284 SMs) against a
     cache of 1024 keys take the short-cache tiles (_tiles.DECODE_TILES_SHORT) at head dim 64."""
-    from cuflash import _config, _decode, _plan, _tiles
+    from cuflash import _api, _config, _decode, _driver, _tiles
 
     lengths = [int(n) for n in rng.integers(0, 1025, size=128)]
     lengths[:4] = [0, 1, 17, 1024]
@@ -142,10 +142,10 @@ def test_short_cache_tiles(dtype, paged, rng):
     else:
         k_dev, v_dev = poisoned_past(k, lengths), poisoned_past(v, lengths)
         kwargs = dict(seqlens_k=to_device(np.asarray(lengths, np.int32)))
-    plan = _decode.plan_decode(to_device(q), k_dev, v_dev, **kwargs, sm_count=_plan.sm_count(0))
+    plan = _decode.plan_decode(to_device(q), k_dev, v_dev, **kwargs, sm_count=_driver.sm_count(0))
     assert (plan.variant.block_cols, plan.variant.warps, plan.variant.stages) == _tiles.DECODE_TILES_SHORT[(64, 1)]
     assert plan.variant in _config.all_decode_variants()
-    check(_decode.decode_attention(to_device(q), k_dev, v_dev, **kwargs), q, k, v, lengths, dtype)
+    check(_api.decode_attention(to_device(q), k_dev, v_dev, **kwargs), q, k, v, lengths, dtype)
 
 
 @pytest.mark.parametrize("d,dv", ((8, 8), (40, 40), (64, 64), (72, 72), (128, 128), (64, 128), (128, 8)))
@@ -173,12 +173,12 @@ def test_causal_and_window_dense(nq, causal, window, rng):
 def test_lengths_are_clamped_to_the_cache(rng):
     """A negative length counts as 0 and one past the capacity as the capacity (no sync, no
     error: the values live on the GPU)."""
-    from cuflash import _decode
+    from cuflash import _api
 
     dtype = "float16"
     q, k, v = inputs(rng, dtype, 3, HEADS["gqa"], 2, 200, 64)
     given = np.array([-3, 250, 2**31 - 1], np.int32)
-    out = _decode.decode_attention(to_device(q), to_device(k), to_device(v), seqlens_k=to_device(given),
+    out = _api.decode_attention(to_device(q), to_device(k), to_device(v), seqlens_k=to_device(given),
                                    num_splits=3)
     check(out, q, k, v, [0, 200, 200], dtype)
 
@@ -193,19 +193,19 @@ def test_scale(rng):
 
 def test_strided_queries_and_batch_dims(rng):
     """q as a (B, Nq, Hq, d) buffer's view, and q with two batch dims."""
-    from cuflash import _decode
+    from cuflash import _api
 
     dtype = "bfloat16"
     lengths = [100, 7, 64, 0]
     q, k, v = inputs(rng, dtype, 4, HEADS["gqa"], 3, 100, 64)
     q_bnhd = to_device(np.ascontiguousarray(q.swapaxes(1, 2)))
-    out = _decode.decode_attention(q_bnhd.swapaxes(1, 2), poisoned_past(k, lengths), poisoned_past(v, lengths),
+    out = _api.decode_attention(q_bnhd.swapaxes(1, 2), poisoned_past(k, lengths), poisoned_past(v, lengths),
                                    seqlens_k=to_device(np.asarray(lengths, np.int32)))
     check(out, q, k, v, lengths, dtype)
     assert out.o.flags.c_contiguous and out.o.shape == q.shape
     q2 = to_device(q.reshape(2, 2, *q.shape[1:]))
     k2, v2 = (poisoned_past(x, lengths).reshape(2, 2, *x.shape[1:]) for x in (k, v))
-    out2 = _decode.decode_attention(q2, k2, v2, seqlens_k=to_device(np.asarray(lengths, np.int32)))
+    out2 = _api.decode_attention(q2, k2, v2, seqlens_k=to_device(np.asarray(lengths, np.int32)))
     assert out2.o.shape == (2, 2) + q.shape[1:] and out2.l.shape == (2, 2) + q.shape[1:-1]
     flat = type(out)(*(x.reshape(q.shape[:-1] + x.shape[4:]) for x in out2))
     check(flat, q, k, v, lengths, dtype)
@@ -218,7 +218,7 @@ def test_strided_queries_and_batch_dims(rng):
 @pytest.mark.parametrize("page_size", (16, 32, 64, 128, 256))
 @pytest.mark.parametrize("dtype", DECODE_DTYPES)
 def test_paged_every_page_size(dtype, page_size, num_splits, rng):
-    from cuflash import _decode
+    from cuflash import _api
 
     capacity = 4 * 256
     lengths = [0, 1, 17, 3 * page_size + 5, capacity, 300]
@@ -228,7 +228,7 @@ def test_paged_every_page_size(dtype, page_size, num_splits, rng):
         q, k, v = inputs(rng, dtype, len(lengths), HEADS[heads], nq, capacity, d)
         cache = PagedCache(rng, k, v, lengths, page_size, vllm=vllm)
         k_dev, v_dev, table, seqlens = cache.device()
-        out = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
+        out = _api.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
                                        num_splits=num_splits)
         check(out, q, k, v, lengths, dtype)
 
@@ -239,7 +239,7 @@ def test_paged_row_warps_and_head_dims(heads, nq, d, dv, page_size, rng):
     """The paged forms the test above leaves out: 32 rows at head dim 128 (two row warps, MQA
     decoding), 64 rows at head dim 64 (four), and head dims short of their bucket (columns
     past d or dv zero-filled, not read)."""
-    from cuflash import _decode
+    from cuflash import _api
 
     dtype = "bfloat16"
     lengths = [700, 1, 16, 0, 513]
@@ -247,7 +247,7 @@ def test_paged_row_warps_and_head_dims(heads, nq, d, dv, page_size, rng):
     cache = PagedCache(rng, k, v, lengths, page_size, vllm=True)
     k_dev, v_dev, table, seqlens = cache.device()
     for num_splits in (1, None):
-        out = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
+        out = _api.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
                                        num_splits=num_splits)
         check(out, q, k, v, lengths, dtype)
 
@@ -256,7 +256,7 @@ def test_paged_row_warps_and_head_dims(heads, nq, d, dv, page_size, rng):
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("nq", (1, 3, 16))
 def test_causal_and_window_paged(nq, causal, window, rng):
-    from cuflash import _decode
+    from cuflash import _api
 
     dtype = "float16"
     lengths = [2, 100, 513, 0, 1024]
@@ -264,7 +264,7 @@ def test_causal_and_window_paged(nq, causal, window, rng):
     cache = PagedCache(rng, k, v, lengths, 64, vllm=True)
     k_dev, v_dev, table, seqlens = cache.device()
     for num_splits in (1, 3, None):
-        out = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
+        out = _api.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
                                        causal=causal, window=window, num_splits=num_splits)
         check(out, q, k, v, lengths, dtype, causal=causal, window=window)
 
@@ -272,7 +272,7 @@ def test_causal_and_window_paged(nq, causal, window, rng):
 @pytest.mark.parametrize("page_size", (16, 128))
 def test_bad_page_entries_mask_their_keys(page_size, rng):
     """Table entries outside [0, num_pages) are never dereferenced: their keys are masked."""
-    from cuflash import _decode
+    from cuflash import _api
 
     dtype = "bfloat16"
     capacity = 8 * page_size
@@ -285,21 +285,21 @@ def test_bad_page_entries_mask_their_keys(page_size, rng):
         drop[b, 0, 0, page * page_size:(page + 1) * page_size] = True
     k_dev, v_dev, table, seqlens = cache.device()
     for num_splits in (1, None):
-        out = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
+        out = _api.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens,
                                        num_splits=num_splits)
         check(out, q, k, v, lengths, dtype, drop=drop)  # sequence 2 has no key left: o = 0, m = -inf
 
 
 def test_paged_matches_dense_layout(rng):
     """The same keys paged and dense give the same result within the error rule each."""
-    from cuflash import _decode
+    from cuflash import _api
 
     dtype = "bfloat16"
     lengths = [640, 1, 333]
     q, k, v = inputs(rng, dtype, 3, HEADS["mqa"], 16, 640, 128)
     cache = PagedCache(rng, k, v, lengths, 32, vllm=True)
     k_dev, v_dev, table, seqlens = cache.device()
-    paged = _decode.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens, causal=True)
+    paged = _api.decode_attention(to_device(q), k_dev, v_dev, page_table=table, seqlens_k=seqlens, causal=True)
     dense = run_dense(q, k, v, lengths, causal=True)
     check(paged, q, k, v, lengths, dtype, causal=True)
     check(dense, q, k, v, lengths, dtype, causal=True)
@@ -313,7 +313,7 @@ def test_run_plan_writes_the_given_buffers(rng):
     needs), and gives what decode_attention gives."""
     import cupy
 
-    from cuflash import _api, _decode
+    from cuflash import _api, _arrays, _decode
 
     dtype = "float16"
     lengths = [2000, 17]
@@ -324,7 +324,7 @@ def test_run_plan_writes_the_given_buffers(rng):
     workspace = cupy.empty(plan.workspace_bytes, cupy.uint8)  # the splits' o, l and m, one buffer
     out = (cupy.empty(plan.out_shape, q_dev.dtype), cupy.empty(plan.out_shape[:-1], cupy.float32),
            cupy.empty(plan.out_shape[:-1], cupy.float32))
-    _decode.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens)  # builds the kernels
+    _api.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens)  # builds the kernels
     allocations = []
     poisoning = cupy.cuda.get_allocator()
 
@@ -334,26 +334,26 @@ def test_run_plan_writes_the_given_buffers(rng):
 
     cupy.cuda.set_allocator(counting)
     try:
-        got = _decode.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens, workspace=workspace, out=out)
+        got = _api.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens, workspace=workspace, out=out)
     finally:
         cupy.cuda.set_allocator(poisoning)
     assert allocations == []
     assert all(a is b for a, b in zip(got, out))
-    check(_api.AttentionOutput(*got), q, k, v, lengths, dtype)
+    check(_arrays.AttentionOutput(*got), q, k, v, lengths, dtype)
     with pytest.raises(ValueError, match="workspace must be a contiguous array of at least"):
-        _decode.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens, workspace=workspace[:-1], out=out)
+        _api.run_plan(plan, q_dev, k_dev, v_dev, seqlens_k=seqlens, workspace=workspace[:-1], out=out)
 
 
 @requires_gpu
 @pytest.mark.parametrize("nk,expected", ((512, "decode"), (32, "fwd")))
 def test_short_queries_take_the_split_kv_path_from_decode_min_keys(nk, expected):
     """cuflash.attention routes 1-16 queries a head to the split-KV kernels from
-    _api.DECODE_MIN_KEYS keys on, and keeps shorter key ranges on the forward."""
+    _config.DECODE_MIN_KEYS keys on, and keeps shorter key ranges on the forward."""
     import cuflash
-    from cuflash import _api
+    from cuflash import _config
     from gpu_util import launched_variants
 
-    assert (nk >= _api.DECODE_MIN_KEYS) == (expected == "decode")
+    assert (nk >= _config.DECODE_MIN_KEYS) == (expected == "decode")
     rng = np.random.default_rng(nk)
     q = to_device(random_array(rng, (2, 8, 1, 128), "bfloat16"))
     k, v = (to_device(random_array(rng, (2, 2, nk, 128), "bfloat16")) for _ in range(2))

@@ -89,7 +89,7 @@ def test_persistent_grid_walks_many_items(d, rng):
     against the reference, which costs seconds a call on the host for all of them."""
     import cupy
 
-    from cuflash._plan import sm_count as _sm_count
+    from cuflash._driver import sm_count as _sm_count
 
     dtype = "bfloat16"
     sms = _sm_count(cupy.cuda.Device().id)  # the persistent grid's size

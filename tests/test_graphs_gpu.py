@@ -23,7 +23,7 @@ def test_one_plan_serves_fresh_buffers_correctly():
     import cupy
 
     import cuflash
-    from cuflash import _plan
+    from cuflash import _spine
 
     shape = (2, 4, 300, 64)
     for seed in range(4):
@@ -34,7 +34,7 @@ def test_one_plan_serves_fresh_buffers_correctly():
         err = np.abs(o.astype(cupy.float32).get() - want.o).max()
         assert err < 2e-2, (seed, err)
         np.testing.assert_allclose(m.get(), want.m, rtol=1e-2, atol=1e-2)
-    forward, _ = _plan.plan_counts()
+    forward, _ = _spine.plan_counts()
     assert forward >= 1
 
 
@@ -161,16 +161,16 @@ def test_torch_compile_reduce_overhead_matches_eager():
 def test_torch_eager_calls_skip_the_dispatcher_and_build_no_plan_twice():
     torch = pytest.importorskip("torch")
     import cuflash.torch as ct
-    from cuflash import _plan
+    from cuflash import _spine
 
     shape = (1, 2, 64, 64)
     q, k, v = _torch_inputs(torch, shape, 1)
     ct.attention(q, k, v).sum().backward()
-    before = _plan.plan_counts()
+    before = _spine.plan_counts()
     for seed in range(3):
         q, k, v = _torch_inputs(torch, shape, seed + 5)
         ct.attention(q, k, v).sum().backward()
-    assert _plan.plan_counts() == before
+    assert _spine.plan_counts() == before
 
 
 @torch_gpu

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cpu_fakes import HostArrayAsDevice
-from cuflash import _api, _decode, masks
+from cuflash import _config, _decode, _spine, masks
 from cuflash import reference as ref
 from gpu_util import np_dtype, random_array
 from test_decode_gpu import PagedCache, allowed_keys
@@ -153,8 +153,8 @@ def test_differentiating_a_decoding_call_raises():
 # (q shape, k shape, dtype, block mask): the CuPy front end's _decode.routes_short_queries
 # decides, and the adapter takes the same path.
 ROUTING = {
-    "decode_at_threshold": ((2, 8, 1, 128), (2, 2, _api.DECODE_MIN_KEYS, 128), BF16, None),
-    "fwd_below_threshold": ((2, 8, 1, 128), (2, 2, _api.DECODE_MIN_KEYS - 1, 128), BF16, None),
+    "decode_at_threshold": ((2, 8, 1, 128), (2, 2, _config.DECODE_MIN_KEYS, 128), BF16, None),
+    "fwd_below_threshold": ((2, 8, 1, 128), (2, 2, _config.DECODE_MIN_KEYS - 1, 128), BF16, None),
     "decode_16_queries_mqa": ((3, 8, 16, 64), (3, 1, 1000, 64), np.float16, None),
     "fwd_17_queries": ((2, 8, 17, 128), (2, 2, 4096, 128), BF16, None),
     "fwd_float32": ((2, 8, 1, 128), (2, 2, 4096, 128), np.float32, None),
@@ -197,7 +197,7 @@ def host_view(ptr, shape, dtype, strides=None):
 
 
 class KernelModel:
-    """Stands in for the kernels' bound launches (_decode.bound_launch) and the forward's
+    """Stands in for the kernels' bound plans (_spine.bound_plan) and the forward's
     launch: reads the buffers as the kernels do, from raw pointers with the plan's shapes and
     strides, computes what the kernels compute in float64, writes it into the output buffers
     and records each launch."""
@@ -205,16 +205,16 @@ class KernelModel:
     def __init__(self):
         self.decodes, self.forwards = [], []
 
-    def bound_launch(self, plan, device_id):
+    def bound_plan(self, plan, device_id):
         model = self
 
-        class Launch:
+        class Plan:
             workspace_bytes = plan.workspace_bytes
 
-            def run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
-                model.run(plan, q, k, v, o, l, m, page_table, seqlens, workspace)
+            def run(self, pointers, stream):
+                model.run(plan, *pointers)
 
-        return Launch()
+        return Plan()
 
     def run(self, plan, q, k, v, o, l, m, page_table, seqlens, workspace):
         f = plan.fields
@@ -275,7 +275,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(cj, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
     monkeypatch.setattr(cj, "_xla_stream", lambda ctx: 0)
     monkeypatch.setattr(cj, "_run_forward", model.run_forward)
-    monkeypatch.setattr(_decode, "bound_launch", model.bound_launch)
+    monkeypatch.setattr(_spine, "bound_plan", model.bound_plan)
     with jax.default_device(jax.devices("cpu")[0]):
         yield model
 
@@ -333,7 +333,7 @@ def test_vmap_of_a_decoding_call_runs_once_an_example(kernels, rng):
 def test_routed_call_under_vmap(kernels, rng):
     """vmapped over every operand: one split-KV launch of the batched shapes with the traced
     split count; over q alone (k and v broadcast): the forward, which broadcasts."""
-    nk = _api.DECODE_MIN_KEYS + 44
+    nk = _config.DECODE_MIN_KEYS + 44
     q = random_array(rng, (3, 2, 8, 1, 64), "bfloat16")
     k, v = (random_array(rng, (3, 2, 2, nk, 64), "bfloat16") for _ in range(2))
     attend = lambda q, k, v: cj.attention(q, k, v, causal=True)  # noqa: E731

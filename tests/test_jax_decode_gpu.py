@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from cuflash import _api, _decode
+from cuflash import _config, _decode
 from cuflash import reference as ref
 from gpu_util import check_forward, launched_variants, max_err, random_array
 from test_decode_gpu import HEADS, POISON, PagedCache, allowed_keys
@@ -35,21 +35,22 @@ def poisoned_outputs(monkeypatch):
     the launch's stream (XLA's)."""
     import cupy
 
-    from cuflash import _checks, _plan
+    from cuflash import _checks, _driver
 
-    run = _decode.DecodeLaunch.run
+    run = _decode.DecodePlan.run
 
-    def poisoning(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream):
-        rows = math.prod(self.plan.out_shape[:-1])
-        sizes = ((o, rows * self.plan.dv * _checks.itemsize(self.plan.variant.dtype)), (l, 4 * rows), (m, 4 * rows),
-                 (workspace, self.workspace_bytes))
-        with _plan.Context(self.ctx):
+    def poisoning(self, pointers, stream):
+        q, k, v, o, l, m, page_table, seqlens, workspace = pointers
+        rows = math.prod(self.choice.out_shape[:-1])
+        sizes = ((o, rows * self.choice.dv * _checks.itemsize(self.choice.variant.dtype)), (l, 4 * rows),
+                 (m, 4 * rows), (workspace, self.workspace_bytes))
+        with _driver.Context(self.ctx):
             for ptr, nbytes in sizes:
                 if ptr and nbytes:
                     cupy.cuda.runtime.memsetAsync(ptr, 0xFF, nbytes, stream)
-        return run(self, q, k, v, o, l, m, page_table, seqlens, workspace, stream)
+        return run(self, pointers, stream)
 
-    monkeypatch.setattr(_decode.DecodeLaunch, "run", poisoning)
+    monkeypatch.setattr(_decode.DecodePlan, "run", poisoning)
 
 
 class _OnHost:
@@ -211,7 +212,7 @@ def test_inputs_are_not_written(rng):
 def test_short_queries_are_routed_and_differentiable(nk, expected, rng):
     import cuflash.jax as cj
 
-    assert (nk >= _api.DECODE_MIN_KEYS) == (expected == "decode")
+    assert (nk >= _config.DECODE_MIN_KEYS) == (expected == "decode")
     dtype = "bfloat16"
     q, k, v = (random_array(rng, s, dtype) for s in ((2, 8, 3, 128), (2, 2, nk, 128), (2, 2, nk, 128)))
     w = random_array(rng, q.shape, dtype)

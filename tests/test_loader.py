@@ -65,7 +65,7 @@ class _FakeVariant:
 def test_every_kernel_gets_its_shared_memory_allowance(monkeypatch):
     """A plan's Kernel raises the dynamic shared-memory limit of the kernel object it launches
     (once, when the plan is built) whenever the variant needs more than the default 48 KB."""
-    from cuflash import _plan
+    from cuflash import _driver
 
     class _Function:
         ptr = 1234
@@ -73,8 +73,8 @@ def test_every_kernel_gets_its_shared_memory_allowance(monkeypatch):
     kernel = _FakeKernel()
     kernel.kernel = _Function()
     monkeypatch.setattr(_loader, "get_kernel", lambda variant, device=None: kernel)
-    monkeypatch.setattr(_plan, "_device", lambda device_id: None)
-    launch = _plan.Kernel(_FakeVariant(), 0, (1, 1, 1), [], 64, 64)
+    monkeypatch.setattr(_driver, "device", lambda device_id: None)
+    launch = _driver.Kernel(_FakeVariant(), 0, (1, 1, 1), [], 64, 64)
     assert kernel.max_dynamic_shared_size_bytes == 200 * 1024 == launch.smem
     assert launch.func == 1234
 

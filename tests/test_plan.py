@@ -1,16 +1,20 @@
-"""The launch-plan cache (cuflash/_plan.py) on the CPU: the driver, the kernels and the tensor
-maps are stand-ins that record what a launch would receive."""
+"""The launch plans (cuflash/_forward.py, _backward.py, through cuflash/_spine.py) on the CPU:
+the driver, the kernels and the tensor maps are stand-ins that record what a launch would
+receive."""
 
 import ctypes
 import struct
+import types
 
+import ml_dtypes
+import numpy as np
 import pytest
 
-from cuflash import _config, _loader, _params, _plan, _tiles, _tma, _variants
+from cuflash import _cache, _config, _decode, _driver, _launch, _loader, _params, _spine, _tiles, _tma, _variants
 
 
 class _FakeDriver:
-    """libcuda's calls as _plan makes them, recorded."""
+    """libcuda's calls as the plans make them (cuflash/_driver.py), recorded."""
 
     def __init__(self):
         self.launches = []
@@ -65,17 +69,17 @@ def fake_gpu(monkeypatch):
         built.append(variant.key)
         return _RawKernel(variant)
 
-    monkeypatch.setattr(_plan, "_driver", lambda: driver)
-    monkeypatch.setattr(_plan, "device_context", lambda device_id: 77)
-    monkeypatch.setattr(_plan, "compute_capability", lambda device_id: "90")
-    monkeypatch.setattr(_plan, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(_plan, "_device", lambda device_id: _NullContext())
+    monkeypatch.setattr(_driver, "driver", lambda: driver)
+    monkeypatch.setattr(_driver, "device_context", lambda device_id: 77)
+    monkeypatch.setattr(_driver, "compute_capability", lambda device_id: "90")
+    monkeypatch.setattr(_driver, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(_driver, "device", lambda device_id: _NullContext())
     monkeypatch.setattr(_loader, "get_kernel", get_kernel)
     monkeypatch.setattr(_tma, "encode", _fake_encode)
-    _plan.clear()
+    _cache.clear()
     driver.built = built
     yield driver
-    _plan.clear()
+    _cache.clear()
 
 
 class _NullContext:
@@ -98,15 +102,25 @@ def _forward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", causal=Fals
              strides=None, ptrs=(0x1000, 0x20000, 0x40000)):
     kv_shape = kv_shape or shape
     q_strides = strides or _contiguous(shape)
-    return _plan.forward_plan(shape, q_strides, kv_shape, _contiguous(kv_shape), kv_shape,
-                              _contiguous(kv_shape), dtype, 0, causal, None, None, window, ptrs)
+    return _forward_problem_plan((shape, kv_shape, kv_shape), (q_strides, _contiguous(kv_shape), _contiguous(kv_shape)),
+                                 dtype, ptrs, causal=causal, window=window)
+
+
+def _forward_problem_plan(shapes, strides, dtype, ptrs, **options):
+    problem = _spine.forward_problem(shapes, strides, (dtype,) * 3, 0, **options)
+    return _spine.forward(problem, ptrs)
+
+
+def _backward_problem_plan(shapes, strides, dtype, stats, ptrs, **options):
+    problem = _spine.backward_problem(shapes, strides, (dtype,) * 5, stats, 0, **options)
+    return _spine.backward(problem, ptrs)
 
 
 def test_a_known_signature_builds_nothing(fake_gpu):
     plan = _forward()
     built = len(fake_gpu.built)
     assert _forward(ptrs=(0x9000, 0x90000, 0xA0000)) is plan  # other pointers: same plan
-    assert len(fake_gpu.built) == built and _plan.plan_counts() == (1, 0)
+    assert len(fake_gpu.built) == built and _cache.plan_counts() == (1, 0)
 
 
 @pytest.mark.parametrize("change", [
@@ -117,7 +131,7 @@ def test_a_known_signature_builds_nothing(fake_gpu):
 def test_a_changed_signature_builds_a_new_plan(fake_gpu, change):
     plan = _forward()
     assert _forward(**change) is not plan
-    assert _plan.plan_counts() == (2, 0)
+    assert _cache.plan_counts() == (2, 0)
 
 
 def test_switches_build_new_plans(fake_gpu):
@@ -130,8 +144,8 @@ def test_switches_build_new_plans(fake_gpu):
 
 def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):
     plan = _forward()
-    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=42)
-    plan.run(0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100, stream=43)
+    plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 42)
+    plan.run((0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100), 43)
     first, second = fake_gpu.launches
     assert first["params"][0][:6] == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000)
     assert second["params"][0][:6] == (0x1100, 0x2100, 0x3100, 0x4100, 0x5100, 0x6100)
@@ -151,9 +165,9 @@ def test_packed_batches_take_the_persistent_grid_where_dense_ones_do(fake_gpu, d
     (tiles, slices)."""
     heads, seqs, total = 4, 3, 2500
     shape = (heads, total, d)
-    plan = _plan.varlen_forward_plan(shape, _contiguous(shape), shape, _contiguous(shape), shape, _contiguous(shape),
-                                     "bfloat16", 0, True, None, None, seqs, longest, (0x1000, 0x20000, 0x40000))
-    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 42, 0x7000, 0x8000)
+    plan = _forward_problem_plan((shape,) * 3, (_contiguous(shape),) * 3, "bfloat16", (0x1000, 0x20000, 0x40000),
+                                 causal=True, varlen=_spine.Varlen(seqs, longest))
+    plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000, 0x8000), 42)
     (launch,) = fake_gpu.launches
     tiles = -(-longest // 128)
     assert plan.kernel.variant.varlen and plan.kernel.variant.persistent == persistent
@@ -177,9 +191,9 @@ def test_maps_are_encoded_once_per_pointer_triple_when_not_patchable(fake_gpu, m
     assert not plan.maps.patchable
     calls.clear()
     for _ in range(3):
-        plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+        plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
     assert calls == [0x1000, 0x2000, 0x3000]  # encoded for the first run only
-    plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+    plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
     assert len(calls) == 3
 
 
@@ -188,7 +202,7 @@ def test_misaligned_pointers_get_the_same_error_cached_or_not(fake_gpu):
         _forward(ptrs=(0x1008, 0x20000, 0x40000))
     plan = _forward()
     with pytest.raises(ValueError, match=r"q must be 16-byte aligned.*address 0x1008") as cached:
-        plan.run(0x1008, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+        plan.run((0x1008, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
     assert str(fresh.value) == str(cached.value)
     assert not fake_gpu.launches
 
@@ -211,8 +225,8 @@ def _backward(shape=(2, 4, 256, 64), kv_shape=None, dtype="bfloat16", determinis
     shapes = (shape, shape, kv_shape, kv_shape, shape)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
-    return _plan.backward_plan(shapes, strides, dtype, stats, 0, causal, None, None, None, deterministic,
-                               (0x1000,) * 5)
+    return _backward_problem_plan(shapes, strides, dtype, stats, (0x1000,) * 5, causal=causal,
+                                  deterministic=deterministic)
 
 
 def _key_pass(plan):
@@ -250,10 +264,10 @@ def test_persistent_key_pass_past_2_31_items_takes_a_cta_an_item(fake_gpu):
 
 def test_backward_plan_zeroes_dq_and_finishes_it_in_one_kernel(fake_gpu):
     plan = _backward()
-    assert _backward() is plan and _plan.plan_counts() == (0, 1)
+    assert _backward() is plan and _cache.plan_counts() == (0, 1)
     kinds = [g.kind for g in plan.grads]
     assert kinds == ["reduce", "direct", "direct"]  # dK, dV written in place; dQ from float32
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000), 5)
     assert fake_gpu.memsets == []  # the preprocess (the first launch) zeroes the accumulator
     assert isinstance(plan.kernels[0].variant, _variants.BackwardPreprocess) and plan.kernels[0].params[1] is plan.bwd_block
     block = list(plan.bwd_block)  # struct BwdParams: dq_acc, ..., zero_dq_acc
@@ -270,10 +284,10 @@ def test_backward_key_pass_loads_through_tensor_maps(fake_gpu):
     shapes = (shape,) * 5
     strides = (_contiguous(shape), q_strides, _contiguous(shape), _contiguous(shape), _contiguous(shape))
     stats = ((shape[:-1], _contiguous(shape[:-1]), "float32"),) * 2
-    plan = _plan.backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
+    plan = _backward_problem_plan(shapes, strides, "bfloat16", stats, (0x1000,) * 5, causal=True)
     key_pass = _key_pass(plan)
     assert key_pass.variant.tma and len(key_pass.params) == 3
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000), 5)
     maps = list(key_pass.params[2])
     assert maps[0:64:16] == [0x2000, 0x3000, 0x4000, 0x1000]  # q, k, v, dO
     geometry = [maps[16 * i + 1:16 * i + 7] for i in range(4)]  # (cols, rows, row stride, slice stride, count, box)
@@ -291,11 +305,11 @@ def test_packed_backward_maps_span_every_row_of_a_head(fake_gpu):
     shapes = (q, q, kv, kv, q)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = (((heads, total_q), (total_q, 1), "float32"),) * 2
-    plan = _plan.varlen_backward_plan(shapes, strides, "bfloat16", stats, 0, True, None, None, False, 3, 400, 400,
-                                      (0x1000,) * 5)
+    plan = _backward_problem_plan(shapes, strides, "bfloat16", stats, (0x1000,) * 5, causal=True,
+                                  varlen=_spine.Varlen(3, 400, 400))
     key_pass = _key_pass(plan)
     assert key_pass.variant.varlen and key_pass.variant.tma
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5, 0x200000, 0x300000)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000, 0x200000, 0x300000), 5)
     maps = list(key_pass.params[2])
     assert maps[0:64:16] == [0x2000, 0x3000, 0x4000, 0x1000]  # q, k, v, dO
     geometry = [maps[16 * i + 1:16 * i + 7] for i in range(4)]
@@ -324,7 +338,7 @@ def test_backward_pointers_the_copy_engine_refuses_run_the_cp_async_form(fake_gp
 
     def key_pass_funcs(call):
         fake_gpu.launches.clear()
-        plan.run(*call, 0x100000, 5)
+        plan.run((*call, 0x100000), 5)
         return [x["func"] for x in fake_gpu.launches]
 
     mappable = tuple(0x1000 * (i + 1) for i in range(10))
@@ -340,7 +354,7 @@ def test_backward_pointers_the_copy_engine_refuses_run_the_cp_async_form(fake_gp
 def test_grouped_heads_sum_dk_dv_in_the_reduce_kernel(fake_gpu):
     plan = _backward(kv_shape=(2, 2, 256, 64))
     assert [(g.kind, g.group) for g in plan.grads] == [("reduce", 1), ("reduce", 2), ("reduce", 2)]
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0x100000, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0x100000), 5)
     dk_reduce = fake_gpu.launches[-2]["params"][0][:5]
     assert dk_reduce[1:] == (0x9000, 2, 256 * 64, 4)  # (B * Hk) slices, each summed over 2 heads
 
@@ -378,13 +392,13 @@ def test_broadcast_q_is_left_to_the_framework(fake_gpu):
     shapes = (kv, shape, kv, kv, kv)
     strides = tuple(_contiguous(s) for s in shapes)
     stats = ((kv[:-1], _contiguous(kv[:-1]), "float32"),) * 2
-    plan = _plan.backward_plan(shapes, strides, "float16", stats, 0, True, None, None, None, False, (0x1000,) * 5)
+    plan = _backward_problem_plan(shapes, strides, "float16", stats, (0x1000,) * 5, causal=True)
     assert plan.grads[0].kind == "generic" and plan.grads[0].acc_shape == (3, 4, 256, 64)
 
 
 def test_empty_problems_zero_the_gradients(fake_gpu):
     plan = _backward(shape=(2, 4, 0, 64), kv_shape=(2, 4, 256, 64))
-    plan.run(*(0x1000 * (i + 1) for i in range(10)), 0, 5)
+    plan.run((*(0x1000 * (i + 1) for i in range(10)), 0), 5)
     assert not fake_gpu.launches and len(fake_gpu.memsets) == 2  # dq has no elements
 
 
@@ -395,7 +409,7 @@ def test_a_failed_launch_names_the_variant(fake_gpu, monkeypatch):
                         lambda status, out: setattr(out._obj, "value", b"CUDA_ERROR_ILLEGAL_ADDRESS") or 0,
                         raising=False)
     with pytest.raises(RuntimeError, match=rf"launching {plan.variant.key} failed: CUDA_ERROR_ILLEGAL_ADDRESS \(700\)"):
-        plan.run(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, stream=1)
+        plan.run((0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000), 1)
 
 
 def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
@@ -407,15 +421,50 @@ def test_sparse_forward_is_persistent_where_its_rows_visit_few_key_tiles():
     n = 64 * 128
     dense_rule = _config.forward_config("bfloat16", 64, 64, False, sparse=True, wgmma=True, nq=n)
     assert not dense_rule.persistent
-    variant = dense_rule  # its tiles: 128 queries x 128 keys
-    local = masks.local(64, 2)  # rows visit 3-5 key tiles
-    assert 3 <= _plan.sparse_row_tiles(local, n, n, variant, False, None) <= 5
-    assert _plan.sparse_row_tiles(masks.dense(64), n, n, variant, False, None) == 64
-    assert _plan.sparse_row_tiles(masks.dense(64), n, n, variant, True, None) == 32.5  # causal halves it
+    tiles = (dense_rule.block_rows, dense_rule.block_cols)  # 128 queries x 128 keys
+
+    def row_tiles(mask, causal=False):
+        return _launch.sparse_row_tiles(mask, n, n, *tiles, causal=causal, window=None)
+
+    assert 3 <= row_tiles(masks.local(64, 2)) <= 5  # rows visit 3-5 key tiles
+    assert row_tiles(masks.dense(64)) == 64
+    assert row_tiles(masks.dense(64), causal=True) == 32.5  # causal halves it
     limit = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES[64]
-    for row_tiles, persistent in ((limit, True), (limit + 0.5, False)):
+    for visited, persistent in ((limit, True), (limit + 0.5, False)):
         for d in (64, 128):
-            chosen = _config.forward_config("bfloat16", d, d, False, sparse=True, wgmma=True, nq=n, row_tiles=row_tiles)
+            asked = []
+            chosen = _config.forward_config("bfloat16", d, d, False, sparse=True, wgmma=True, nq=n,
+                                            row_tiles=lambda br, bc: asked.append((br, bc)) or visited)
             assert chosen.persistent == (persistent and d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES)
-    dense = _config.forward_config("bfloat16", 64, 64, False, wgmma=True, nq=n, row_tiles=1)
+            assert asked == ([(chosen.block_rows, chosen.block_cols)] if d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES
+                             else [])  # asked with the tiles it decides for, and only where it decides
+    dense = _config.forward_config("bfloat16", 64, 64, False, wgmma=True, nq=n, row_tiles=lambda br, bc: 1)
     assert not dense.persistent  # row_tiles speaks for block-sparse launches only
+
+
+def test_every_plan_runs_on_named_pointers(fake_gpu):
+    """Forward, backward and decoding plans are one type: run(pointers, stream), the pointers in
+    the order pointer_names gives (a varlen batch's boundaries last)."""
+    shape = (4, 2500, 64)
+    packed = _forward_problem_plan((shape,) * 3, (_contiguous(shape),) * 3, "bfloat16", (0x1000,) * 3,
+                                   varlen=_spine.Varlen(3, 1000))
+    plans = {_forward(): ("q", "k", "v", "o", "l", "m"),
+             packed: ("q", "k", "v", "o", "l", "m", "cu_seqlens_q", "cu_seqlens_k"),
+             _backward(): ("do", "q", "k", "v", "o", "l", "m", "dq", "dk", "dv", "workspace")}
+    choice = _decode.plan_decode(*(_HostMeta((2, 8, s, 64)) for s in (1, 4096, 4096)), sm_count=132)
+    plans[_spine.bound_plan(choice, 0)] = ("q", "k", "v", "o", "l", "m", "page_table", "seqlens_k", "workspace")
+    for plan, names in plans.items():
+        assert isinstance(plan, _launch.Plan) and plan.pointer_names == names
+        fake_gpu.launches.clear()
+        plan.run(tuple(0x10000 * (i + 1) for i in range(len(names))), 9)
+        assert fake_gpu.launches and all(x["stream"] == 9 for x in fake_gpu.launches)
+
+
+class _HostMeta:
+    """What the decoding checks read of a C-contiguous bfloat16 array at a 16-byte aligned address."""
+
+    def __init__(self, shape):
+        self.shape, self.ndim, self.dtype = shape, len(shape), np.dtype(ml_dtypes.bfloat16)
+        self.strides = tuple(2 * s for s in _contiguous(shape))
+        self.data, self.device = types.SimpleNamespace(ptr=0x1000), types.SimpleNamespace(id=0)
+        self.flags = types.SimpleNamespace(c_contiguous=True)

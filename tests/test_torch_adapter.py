@@ -439,14 +439,14 @@ def test_compile_passes_the_mask_as_a_token():
 @gpu
 @pytest.mark.parametrize("grad", (False, True))
 def test_short_queries_take_the_split_kv_path_without_autograd(grad):
-    """Outside autograd, 1-16 queries a head against at least _api.DECODE_MIN_KEYS keys run on
+    """Outside autograd, 1-16 queries a head against at least _config.DECODE_MIN_KEYS keys run on
     the split-KV decoding kernels, as cuflash.attention routes them; a call autograd records
     keeps the forward (its backward needs nothing else, but the route is decided per path).
     Both give the reference's o, l and m."""
-    from cuflash import _api
+    from cuflash import _config
     from gpu_util import launched_variants
 
-    nk = 2 * _api.DECODE_MIN_KEYS + 17
+    nk = 2 * _config.DECODE_MIN_KEYS + 17
     q = torch.randn(2, 8, 3, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
     k, v = (torch.randn(2, 2, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     with launched_variants() as launched:

@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 
 from conftest import requires_gpu
-from cuflash import _api, _broadcast, _checks, _constants, _params, _plan
+from cuflash import _arrays, _broadcast, _checks, _constants, _launch, _params
 
 
 def test_numpy_arrays_are_refused_with_their_shape():
     q = np.ones((2, 16, 64), np.float16)
     with pytest.raises(TypeError, match=r"q is a NumPy array.*\(2, 16, 64\)"):
-        _api.as_cupy(q, "q")
+        _arrays.as_cupy(q, "q")
 
 
 def test_non_arrays_are_refused():
     with pytest.raises(TypeError, match="k must be a GPU array.*list"):
-        _api.as_cupy([1.0, 2.0], "k")
+        _arrays.as_cupy([1.0, 2.0], "k")
 
 
 @pytest.mark.parametrize(
@@ -189,11 +189,11 @@ class TestOnGpu:
 
 def test_dense_sparsity_fills_the_block_between_scale_and_cu_seqlens():
     # A dense launch: window (-1, -1), then null lists and zero sizes / strides.
-    assert _plan.DENSE_SPARSITY == (-1, -1) + (0,) * 13
+    assert _launch.DENSE_SPARSITY == (-1, -1) + (0,) * 13
     # ... and the varlen fields last: two pointers (cu_seqlens_q, cu_seqlens_k), num_seqs and
     # varlen_tiles.
     after_scale = _params.FWD_PARAM_FORMAT.split("dd", 1)[1]
-    assert len(_plan.DENSE_SPARSITY) == len(after_scale) - 4 and after_scale.endswith("QQqq")
+    assert len(_launch.DENSE_SPARSITY) == len(after_scale) - 4 and after_scale.endswith("QQqq")
     assert _params.CU_SEQLENS_WORD == len(_params.FWD_PARAM_FORMAT) - 1 - 4
 
 
@@ -287,7 +287,7 @@ def test_mask_that_blocks_merging_is_named():
 
 
 def test_every_launch_has_a_tile_shape():
-    # _plan.sparsity_fields counts each launch's lists in its variant's block_rows x block_cols.
+    # _launch.sparsity_fields counts each launch's lists in its variant's block_rows x block_cols.
     from cuflash import _config
 
     for dtype in _constants.SUPPORTED_DTYPES:
@@ -306,14 +306,14 @@ def test_every_launch_has_a_tile_shape():
 
 
 def test_dense_sparsity_fields_carry_the_window():
-    fields, lists = _plan.sparsity_fields(None, (), 10, 10, None, transpose=False, causal=False, window=None)
-    assert fields == _plan.DENSE_SPARSITY and lists is None
-    fields, lists = _plan.sparsity_fields(None, (), 10, 10, None, transpose=True, causal=True, window=(4, 0))
-    assert fields == (4, 0) + _plan.DENSE_SPARSITY[2:] and lists is None
+    fields, lists = _launch.sparsity_fields(None, (), 10, 10, None, transpose=False, causal=False, window=None)
+    assert fields == _launch.DENSE_SPARSITY and lists is None
+    fields, lists = _launch.sparsity_fields(None, (), 10, 10, None, transpose=True, causal=True, window=(4, 0))
+    assert fields == (4, 0) + _launch.DENSE_SPARSITY[2:] and lists is None
 
 
 def test_a_batch_beyond_the_launch_grid_is_refused():
-    assert _plan.slice_grid(3, 65535 * 65535) == (3, 65535, 65535)
-    assert _plan.slice_grid(3, 70000) == (3, 65535, 2)
+    assert _launch.slice_grid(3, 65535 * 65535) == (3, 65535, 65535)
+    assert _launch.slice_grid(3, 70000) == (3, 65535, 2)
     with pytest.raises(ValueError, match="exceed"):
-        _plan.slice_grid(3, 65535 * 65535 + 1)
+        _launch.slice_grid(3, 65535 * 65535 + 1)

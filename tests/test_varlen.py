@@ -5,7 +5,7 @@ and every argument check (the GPU tests are in test_varlen_gpu.py)."""
 import numpy as np
 import pytest
 
-from cuflash import _checks, _config, _constants, _plan
+from cuflash import _checks, _config, _constants, _launch
 from cuflash import reference as ref
 
 
@@ -99,7 +99,7 @@ def test_boundaries_are_clamped_and_reversed_ranges_are_empty():
 
 def test_statistics_regions_of_sequences_never_overlap_and_fit_the_pitch():
     """slice_geometry's rule: sequence s starts at R (ceil(start / R) + s) and owns
-    round_up(n, R) rows; _plan.varlen_stats_rows is the pitch they must fit in."""
+    round_up(n, R) rows; _launch.varlen_stats_rows is the pitch they must fit in."""
     r = _constants.STATS_ROW_MULTIPLE
     rng = np.random.default_rng(5)
     for _ in range(200):
@@ -112,16 +112,16 @@ def test_statistics_regions_of_sequences_never_overlap_and_fit_the_pitch():
         for s, (start, end) in enumerate(ref.sequence_rows(cu, total)):
             first = r * (-(-start // r) + s)
             last = first + -(-(end - start) // r) * r
-            assert last <= _plan.varlen_stats_rows(total, len(cu) - 1)
+            assert last <= _launch.varlen_stats_rows(total, len(cu) - 1)
             if np.all(np.diff(cu) >= 0):
                 assert first >= end_before
             end_before = last
 
 
 def test_varlen_grid_covers_the_announced_longest_sequence():
-    assert _plan.varlen_grid_x(1000, 5000, 128) == 8
-    assert _plan.varlen_grid_x(10**9, 300, 128) == 3  # never more than the packed rows hold
-    assert _plan.varlen_grid_x(0, 300, 128) == 1
+    assert _launch.grid_tiles(1000, 5000, 128) == 8
+    assert _launch.grid_tiles(10**9, 300, 128) == 3  # never more than the packed rows hold
+    assert _launch.grid_tiles(0, 300, 128) == 1
 
 
 @pytest.mark.parametrize("wgmma", (False, True))
