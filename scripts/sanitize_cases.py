@@ -2,6 +2,7 @@
 dispatcher can pick, at small sizes.
 
     python scripts/sanitize_cases.py [--subset all|one] [--seed N] [--shard K/N] [--launched FILE]
+                                     [--cubins DIR]
     python scripts/sanitize_cases.py --coverage FILE [FILE ...]
 
 Per case: the forward, then the backward (preprocess, key passes, dQ) with atomic and with
@@ -34,7 +35,8 @@ of an input, or of an output never written (initcheck), is caught instead of lan
 neighbour's block. The last line says how many of ``_config.variants_for()`` (this GPU's
 variants) ran, and how many of their families (:func:`family`: a kernel with its form flags,
 per dtype); tests/test_sanitize_cases.py checks on the CPU that the case list reaches every
-family the enumeration holds, so a new family without a case fails there.
+family the enumeration holds, so a new family without a case fails there. ``--cubins DIR``
+keeps each launched variant's cubin as it ran, DIR/<key>.cubin, for scripts/racecheck_hazards.py.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -408,6 +411,47 @@ def shard(text: str) -> tuple:
     return k, n
 
 
+@contextlib.contextmanager
+def recording_cubins(cubins: dict, building: list):
+    """Inside the block, what CuPy's kernel cache loads or saves while ``building`` names a
+    variant (its key last), the module get_kernel loads, goes to ``cubins`` as {key: cubin}: the
+    machine code that runs, whose offsets the sanitizer reports. A cache payload is the mangled
+    names, then the cubin (cupy.cuda.compiler._decode_cache_payload)."""
+    from cupy.cuda import compiler
+
+    backend = compiler._kernel_cache_backend
+
+    def keep(payload):
+        decoded = compiler._decode_cache_payload(payload, 1) if payload is not None else None
+        if decoded is not None and building:
+            cubins.setdefault(building[-1], decoded[1])
+
+    class Recording:  # the backend's load and save, which is all CuPy calls
+        def load(self, name):
+            payload = backend.load(name)
+            keep(payload)
+            return payload
+
+        def save(self, name, cubin, source):
+            keep(cubin)
+            backend.save(name, cubin, source)
+
+    compiler._set_kernel_cache_backend(Recording())
+    try:
+        yield
+    finally:
+        compiler._set_kernel_cache_backend(backend)
+
+
+def write_cubins(cubins: dict, directory: Path):
+    """DIR/<key>.cubin for each; shards write side by side, so each file appears whole."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, cubin in cubins.items():
+        part = directory / f"{key}.cubin.{os.getpid()}"
+        part.write_bytes(cubin)
+        os.replace(part, directory / f"{key}.cubin")
+
+
 def coverage_line(known: set, launched: set) -> str:
     missing = sorted(known - launched)
     return (f"covered {len(known & launched)} of {len(known)} dispatcher variants"
@@ -422,6 +466,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", type=shard, default=(0, 1), metavar="K/N",
                         help="run every N-th case from the K-th (shards run side by side)")
     parser.add_argument("--launched", metavar="FILE", help="write the variant keys launched to FILE")
+    parser.add_argument("--cubins", metavar="DIR", type=Path, help="write each launched variant's cubin to DIR")
     parser.add_argument("--coverage", nargs="+", metavar="FILE",
                         help="only merge --launched files of several shards into one coverage line")
     args = parser.parse_args(argv)
@@ -440,26 +485,34 @@ def main(argv=None) -> int:
 
     cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: nothing hides an overrun
     cupy.cuda.set_pinned_memory_allocator(None)
-    launched = set()
+    launched, building, cubins = set(), [], {}
     get_kernel = _loader.get_kernel
 
     def recording_get_kernel(variant, device=None):
         launched.add(variant.key)
-        return get_kernel(variant, device)
+        building.append(variant.key)
+        try:
+            return get_kernel(variant, device)
+        finally:
+            building.pop()
 
     _loader.get_kernel = recording_get_kernel
     rng = np.random.default_rng(args.seed)
     failures = 0
     k, n = args.shard
-    for case, form in runs(args.subset, arch)[k::n]:
-        start = time.perf_counter()
-        with _form(form):
-            finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
-        failures += not finite
-        label = f" ({form})" if form else ""
-        print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
+    with recording_cubins(cubins, building) if args.cubins else contextlib.nullcontext():
+        for case, form in runs(args.subset, arch)[k::n]:
+            start = time.perf_counter()
+            with _form(form):
+                finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
+            failures += not finite
+            label = f" ({form})" if form else ""
+            print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s",
+                  flush=True)
     if args.launched:
         Path(args.launched).write_text("".join(key + "\n" for key in sorted(launched)))
+    if args.cubins:
+        write_cubins(cubins, args.cubins)
     print(("" if n == 1 else f"shard {k}/{n}: ")
           + f"{coverage_line(known, launched)}; {families_line(variants, launched)}")
     return 3 if failures else 0  # 1 is compute-sanitizer's --error-exitcode
