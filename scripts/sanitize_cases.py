@@ -2,6 +2,7 @@
 dispatcher can pick, at small sizes.
 
     python scripts/sanitize_cases.py [--subset all|one] [--seed N] [--shard K/N] [--launched FILE]
+                                     [--cubins DIR]
     python scripts/sanitize_cases.py --coverage FILE [FILE ...]
 
 Per case: the forward, then the backward (preprocess, key passes, dQ) with atomic and with
@@ -18,7 +19,12 @@ run does (:func:`runs`). Both subsets hold, per 16-bit dtype, a case of 300 slic
 over every head-dim bucket whose boundaries hold empty sequences, a sequence without keys and
 entries outside [0, total], which the kernels must clamp (packed_lengths). On wgmma GPUs the
 grouped key pass (a CTA walks every query head of its k/v head), which the dispatcher takes
-only for large grids, is forced for the cases with grouped heads.
+only for large grids, is forced on cases with grouped heads (GROUPED_HEADS), and block-sparse
+forwards at LONG_QUERIES rows under a mask of every block run their one-item-a-CTA form. No
+case reaches the wgmma key pass at head dim 64 that is dense, not causal, through TMA and one
+item a CTA (bwd_sm90_*_d64_s2_atomic_dq_tma): the dispatcher takes it only past 2^31 (key tile,
+slice) items, where the persistent form's 32-bit count ends (_config.backward_plan); the
+smallest such launch has 2^31 CTAs, out of a sanitizer run's reach.
 
 Decoding (cuflash._api.decode_attention): every variant, dense and paged (vLLM's layout as a view), split and
 not, with lengths past the capacity and page-table entries outside [0, num_pages), which the
@@ -29,7 +35,8 @@ of an input, or of an output never written (initcheck), is caught instead of lan
 neighbour's block. The last line says how many of ``_config.variants_for()`` (this GPU's
 variants) ran, and how many of their families (:func:`family`: a kernel with its form flags,
 per dtype); tests/test_sanitize_cases.py checks on the CPU that the case list reaches every
-family the enumeration holds, so a new family without a case fails there.
+family the enumeration holds, so a new family without a case fails there. ``--cubins DIR``
+keeps each launched variant's cubin as it ran, DIR/<key>.cubin, for scripts/racecheck_hazards.py.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +65,9 @@ ODD_LENGTHS = (77, 131)
 # so each of its two K, V buffers is refilled and its barriers' phases turn over.
 MANY_ITEMS = (3, 100, 100)
 LONG_QUERIES = 1100  # past the 1024 rows up to which the wgmma forward runs a persistent grid
+# (batch, query heads, k/v heads): the fewest heads that are grouped (cuflash._broadcast.kv_group
+# needs k/v heads > 1; one k/v head is broadcast, and its gradients are summed by CuPy).
+GROUPED_HEADS = (1, 4, 2)
 
 
 class Case(NamedTuple):
@@ -91,6 +102,8 @@ def cases(subset):
                 out.append(Case(dtype, d, d, short, long, True))
         if dtype != "float32":
             out.append(Case(dtype, 64, 64, short, 300, False, slices=MANY_ITEMS))
+        elif subset == "one":  # float32's reduce kernel runs only for grouped heads (slices_of's are broadcast)
+            out.append(Case(dtype, 32, 32, short, long, False, slices=GROUPED_HEADS))
         if subset == "all":
             out += [Case(dtype, 40, 40, long, short, c) for c in (False, True)]
             out += [Case(dtype, 64, 128, short, long, c) for c in (False, True)]
@@ -164,13 +177,18 @@ def run_decode_case(case, rng, subset):
     return bool(cupy.isfinite(out.o).all()) and bool(cupy.isfinite(out.l).all())
 
 
+EVERY_BLOCK = "every block"  # a Case.sparse: a block mask with every block set
+
+
 def mask_kwargs(case, rng):
-    """block_mask= / window= arguments for a sparse case (a random mask, a small window)."""
+    """block_mask= / window= arguments for a sparse case (a random mask, or EVERY_BLOCK's, and
+    a small window)."""
     kwargs = {}
     if "block" in case.sparse:
         bq, bk = (32, 48) if case.causal else (64, 64)
         tq, tk = -(-case.nq // bq), -(-case.nk // bk)
-        kwargs["block_mask"] = masks.BlockMask.from_dense(rng.random((tq, tk)) < 0.5, (bq, bk))
+        blocks = np.ones((tq, tk), bool) if case.sparse == EVERY_BLOCK else rng.random((tq, tk)) < 0.5
+        kwargs["block_mask"] = masks.BlockMask.from_dense(blocks, (bq, bk))
     if "window" in case.sparse:
         kwargs["window"] = (23, -1 if case.causal else 9)
     return kwargs
@@ -274,6 +292,8 @@ def launched_by(case, form, subset, arch) -> set:
     without a GPU (what the coverage line of a GPU run measures)."""
     from cuflash import _variants
 
+    from cuflash import _broadcast, _plan
+
     parts = set(filter(None, form.split("+")))
     tma = "cp.async" not in parts
     if isinstance(case, DecodeCase):
@@ -293,20 +313,30 @@ def launched_by(case, form, subset, arch) -> set:
                    varlen=case.varlen, slices=batch * hq)
     variant = _config.forward_config(case.dtype, case.d, case.dv, case.causal, **forward)
     if block_mask and isinstance(variant, _variants.HopperForward):
-        # The mean key tiles a query tile visits, at most all of them: exact for the choice
-        # where that bound is within _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES (the cases' keys are few).
+        # The mean key tiles a query tile visits, at most all of them: the choice is exact where
+        # that bound is within _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES (few keys) and where
+        # even the causal mean of an EVERY_BLOCK mask passes it (2 LONG_QUERIES keys).
         variant = _config.forward_config(case.dtype, case.d, case.dv, case.causal,
                                          row_tiles=-(-case.nk // variant.block_cols), **forward)
     launched = {variant}
+    kv_group = _broadcast.kv_group(hq, hkv)
+    if case.varlen:  # (heads, rows, d) arrays: packed sequences in the rows
+        lead, kv_lead, (nq, nk) = (hq,), (hkv,), map(sum, zip(*packed_lengths(case.nq, case.nk)))
+    else:
+        lead, kv_lead, nq, nk = (batch, hq), (batch, hkv), case.nq, case.nk
+    grad_shapes = (lead + (nq, case.d), kv_lead + (nk, case.d), kv_lead + (nk, case.dv))
     for deterministic in (False, True) if case.dtype != "float32" else (False,):
         plan = _config.backward_plan(case.dtype, case.d, case.dv, case.causal, deterministic,
                                      hopper=_config.is_hopper(arch), sparse=block_mask, wgmma=wgmma,
                                      wgmma_backward_on="wgmma backward off" not in parts, varlen=case.varlen,
-                                     grouped="grouped" in parts and hq > hkv, tma=tma, nk=case.nk,
+                                     grouped="grouped" in parts and kv_group > 1, tma=tma, nk=case.nk,
                                      slices=batch * hq)
         launched |= {plan.preprocess, *plan.key_passes, plan.dq} - {None}
-    if case.dtype != "float32" or hq > hkv:  # a float32 accumulator to convert, or grouped heads to sum
-        launched.add(_variants.GradientReduce(case.dtype))
+        # The 'grouped' form makes a key-pass CTA walk the whole k/v group (head_group_forced)
+        head_group = kv_group if any(getattr(k, "grouped", False) for k in plan.key_passes) else 1
+        grads = _plan.gradient_layout(grad_shapes, lead, kv_group, case.dtype, 1, 1, head_group)[0]
+        if any(g.kind == "reduce" for g in grads):  # a float32 accumulator to convert or grouped heads to sum
+            launched.add(_variants.GradientReduce(case.dtype))
     return launched
 
 
@@ -326,14 +356,21 @@ def runs(subset, arch) -> list:
         persistent = [case for case in hopper
                       if _config.forward_config(case.dtype, case.d, case.dv, case.causal, wgmma=True, nq=case.nq).persistent]
         out += [(case._replace(nq=LONG_QUERIES), form) for form in ("", "cp.async") for case in persistent]
-        grouped = [case for case in hopper if not case.sparse
-                   and any(getattr(v, "grouped", False) for v in launched_by(case, "grouped", subset, arch))]
+        grouped = [case._replace(slices=GROUPED_HEADS) for case in hopper if not case.sparse]
+        grouped = [case for case in grouped
+                   if any(getattr(v, "grouped", False) for v in launched_by(case, "grouped", subset, arch))]
         out += [(case, form) for form in ("grouped", "grouped+cp.async") for case in grouped]
+        # A block-sparse forward whose query tiles visit few key tiles runs persistent at any
+        # length (_tiles.SM90_SPARSE_PERSISTENT_ROW_TILES); past LONG_QUERIES rows, with twice
+        # as many keys and every block set, they visit more, and one item a CTA runs.
+        dense_masks = [case._replace(nq=LONG_QUERIES, nk=2 * LONG_QUERIES, sparse=EVERY_BLOCK) for case in hopper
+                       if case.sparse == "block" and case.d in _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES]
+        out += [(case, form) for form in ("", "cp.async") for case in dense_masks]
     if subset == "one":  # a run only where it launches a variant no earlier run does (and MANY_ITEMS)
         seen, kept = set(), []
         for case, form in out:
             new = launched_by(case, form, subset, arch) - seen
-            if new or getattr(case, "slices", None):
+            if new or getattr(case, "slices", None) == MANY_ITEMS:
                 kept.append((case, form))
                 seen |= new
         out = kept
@@ -374,6 +411,47 @@ def shard(text: str) -> tuple:
     return k, n
 
 
+@contextlib.contextmanager
+def recording_cubins(cubins: dict, building: list):
+    """Inside the block, what CuPy's kernel cache loads or saves while ``building`` names a
+    variant (its key last), the module get_kernel loads, goes to ``cubins`` as {key: cubin}: the
+    machine code that runs, whose offsets the sanitizer reports. A cache payload is the mangled
+    names, then the cubin (cupy.cuda.compiler._decode_cache_payload)."""
+    from cupy.cuda import compiler
+
+    backend = compiler._kernel_cache_backend
+
+    def keep(payload):
+        decoded = compiler._decode_cache_payload(payload, 1) if payload is not None else None
+        if decoded is not None and building:
+            cubins.setdefault(building[-1], decoded[1])
+
+    class Recording:  # the backend's load and save, which is all CuPy calls
+        def load(self, name):
+            payload = backend.load(name)
+            keep(payload)
+            return payload
+
+        def save(self, name, cubin, source):
+            keep(cubin)
+            backend.save(name, cubin, source)
+
+    compiler._set_kernel_cache_backend(Recording())
+    try:
+        yield
+    finally:
+        compiler._set_kernel_cache_backend(backend)
+
+
+def write_cubins(cubins: dict, directory: Path):
+    """DIR/<key>.cubin for each; shards write side by side, so each file appears whole."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, cubin in cubins.items():
+        part = directory / f"{key}.cubin.{os.getpid()}"
+        part.write_bytes(cubin)
+        os.replace(part, directory / f"{key}.cubin")
+
+
 def coverage_line(known: set, launched: set) -> str:
     missing = sorted(known - launched)
     return (f"covered {len(known & launched)} of {len(known)} dispatcher variants"
@@ -388,6 +466,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", type=shard, default=(0, 1), metavar="K/N",
                         help="run every N-th case from the K-th (shards run side by side)")
     parser.add_argument("--launched", metavar="FILE", help="write the variant keys launched to FILE")
+    parser.add_argument("--cubins", metavar="DIR", type=Path, help="write each launched variant's cubin to DIR")
     parser.add_argument("--coverage", nargs="+", metavar="FILE",
                         help="only merge --launched files of several shards into one coverage line")
     args = parser.parse_args(argv)
@@ -406,26 +485,34 @@ def main(argv=None) -> int:
 
     cupy.cuda.set_allocator(None)  # every array its own cudaMalloc: nothing hides an overrun
     cupy.cuda.set_pinned_memory_allocator(None)
-    launched = set()
+    launched, building, cubins = set(), [], {}
     get_kernel = _loader.get_kernel
 
     def recording_get_kernel(variant, device=None):
         launched.add(variant.key)
-        return get_kernel(variant, device)
+        building.append(variant.key)
+        try:
+            return get_kernel(variant, device)
+        finally:
+            building.pop()
 
     _loader.get_kernel = recording_get_kernel
     rng = np.random.default_rng(args.seed)
     failures = 0
     k, n = args.shard
-    for case, form in runs(args.subset, arch)[k::n]:
-        start = time.perf_counter()
-        with _form(form):
-            finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
-        failures += not finite
-        label = f" ({form})" if form else ""
-        print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s", flush=True)
+    with recording_cubins(cubins, building) if args.cubins else contextlib.nullcontext():
+        for case, form in runs(args.subset, arch)[k::n]:
+            start = time.perf_counter()
+            with _form(form):
+                finite = (run_decode_case if isinstance(case, DecodeCase) else run_case)(case, rng, args.subset)
+            failures += not finite
+            label = f" ({form})" if form else ""
+            print(f"{case}{label} {'ok' if finite else 'NON-FINITE OUTPUT'} {time.perf_counter() - start:.1f} s",
+                  flush=True)
     if args.launched:
         Path(args.launched).write_text("".join(key + "\n" for key in sorted(launched)))
+    if args.cubins:
+        write_cubins(cubins, args.cubins)
     print(("" if n == 1 else f"shard {k}/{n}: ")
           + f"{coverage_line(known, launched)}; {families_line(variants, launched)}")
     return 3 if failures else 0  # 1 is compute-sanitizer's --error-exitcode

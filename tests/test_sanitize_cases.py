@@ -1,7 +1,10 @@
-"""scripts/sanitize_cases.py without a GPU: shard arguments, and the coverage line merged from
-the shards' launched-variant lists."""
+"""scripts/sanitize_cases.py without a GPU: shard arguments, the coverage line merged from the
+shards' launched-variant lists, and its model of which run launches which variant against the
+plan layer's own choice."""
 
 import argparse
+import contextlib
+import types
 
 import numpy as np
 import pytest
@@ -46,7 +49,7 @@ def test_a_case_walks_several_items_a_persistent_key_pass_cta(cases_module, subs
     each of its CTAs walks several and refills both K, V buffers (on an H100 / H200's 132 SMs)."""
     from cuflash import _config
 
-    many = [c for c in cases_module.cases(subset) if c.slices]
+    many = [c for c in cases_module.cases(subset) if c.slices == cases_module.MANY_ITEMS]
     assert {c.dtype for c in many} == {"float16", "bfloat16"}
     for c in many:
         batch, hq, hkv = c.slices
@@ -63,7 +66,7 @@ def test_the_runs_reach_every_family_of_the_enumeration(cases_module, subset, ar
     """Every family (sanitize_cases.family) of _config.variants_for(arch) has a run that
     launches one of its variants: a new kernel, or a new form flag of one, fails here until a
     case reaches it. The runs' variants are all enumerated ones (launched_by models the
-    dispatch with its own choice functions)."""
+    dispatch with its choice functions, test_launched_by_is_what_the_plan_layer_builds checks it)."""
     from cuflash import _config
 
     enumerated = set(_config.variants_for(arch))
@@ -96,3 +99,97 @@ def test_packed_cases_cover_every_head_dim_and_clamp_their_boundaries(cases_modu
     assert (0, 1) in lengths and (1, 0) in lengths and max(lengths) == (131, 77)
     cu = cases_module.packed_boundaries([q for q, _ in lengths])
     assert cu[0] < 0 and cu[-1] > sum(q for q, _ in lengths) and (np.diff(cu[1:-1]) >= 0).all()
+
+
+# ---- launched_by is the plan layer's choice ------------------------------------------------------
+
+@pytest.fixture
+def planned(monkeypatch, cases_module):
+    """plan(case, form, subset): the variants cuflash's plan layer (cuflash/_plan.py) builds for
+    a run's forward and backwards, as the GPU run's coverage line records them (every
+    get_kernel), on a stand-in H100: compute capability 9.0 and sanitize_cases.SM_COUNT SMs,
+    tensor maps encoded (the cases' inputs are ones the copy engine takes: their TMA forms
+    ran), block-sparse tile lists kept on the host, kernels recorded instead of compiled."""
+    from cuflash import _loader, _plan, _tma
+
+    built = set()
+    raw = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1), max_dynamic_shared_size_bytes=0)
+    monkeypatch.setattr(_loader, "get_kernel", lambda variant, device=None: built.add(variant) or raw)
+    monkeypatch.setattr(_plan, "compute_capability", lambda device_id: "90")
+    monkeypatch.setattr(_plan, "sm_count", lambda device_id: cases_module.SM_COUNT)
+    monkeypatch.setattr(_plan, "device_context", lambda device_id: 0)
+    monkeypatch.setattr(_plan, "_device", lambda device_id: contextlib.nullcontext())
+    monkeypatch.setattr(_plan, "sparsity_fields", lambda *args, **kwargs: (_plan.DENSE_SPARSITY, None))
+    monkeypatch.setattr(_tma, "encode", lambda *args: bytes(_tma.MAP_BYTES))
+
+    def plan(case, form, subset):
+        built.clear()
+        _plan.clear()
+        with cases_module._form(form):
+            _build_plans(cases_module, case, subset)
+        return set(built)
+
+    yield plan
+    _plan.clear()
+
+
+def _strided(lead, heads, n, d):
+    """(shape, element strides) of sanitize_cases.strided's (lead..., heads, n, d) view of a
+    (lead..., n, heads, d) buffer."""
+    shape = (*lead, heads, n, d)
+    strides = (n * heads * d,) * len(lead) + (d, heads * d, 1)
+    return shape, strides
+
+
+def _build_plans(cases_module, case, subset):
+    """The plans cuflash.attention and attention_backward build for a run_case (strided inputs,
+    its mask and window; packed: run_varlen_case's layout), through cuflash/_plan.py as
+    cuflash/_api.py calls it."""
+    from cuflash import _plan, masks
+
+    batch, hq, hkv = cases_module.slices_of(case, subset)
+    ptrs = tuple(0x100000 * (i + 1) for i in range(5))  # aligned and apart
+    if case.varlen:
+        lengths_q, lengths_k = zip(*cases_module.packed_lengths(case.nq, case.nk))
+        lead, nq, nk = (), sum(lengths_q), sum(lengths_k)
+        num_seqs = len(cases_module.packed_boundaries(lengths_q)) - 1
+    else:
+        lead, nq, nk = (batch,), case.nq, case.nk
+    q, do, o = _strided(lead, hq, nq, case.d), _strided(lead, hq, nq, case.dv), _strided(lead, hq, nq, case.dv)
+    k, v = _strided(lead, hkv, nk, case.d), _strided(lead, hkv, nk, case.dv)
+    kwargs = cases_module.mask_kwargs(case, np.random.default_rng(0)) if case.sparse else {}
+    mask, window = kwargs.get("block_mask"), masks.window_option(kwargs.get("window"))
+    stats = ((lead + (hq, nq), _contiguous(lead + (hq, nq)), "float32"),) * 2
+    shapes, strides = zip(do, q, k, v, o)
+    if case.varlen:
+        _plan.varlen_forward_plan(*q, *k, *v, case.dtype, 0, case.causal, None, window, num_seqs, case.nq, ptrs[:3])
+    else:
+        _plan.forward_plan(*q, *k, *v, case.dtype, 0, case.causal, None, mask, window, ptrs[:3])
+    for deterministic in (False, True) if case.dtype != "float32" else (False,):
+        if case.varlen:
+            _plan.varlen_backward_plan(shapes, strides, case.dtype, stats, 0, case.causal, None, window, deterministic,
+                                       num_seqs, case.nq, case.nk, ptrs)
+        else:
+            _plan.backward_plan(shapes, strides, case.dtype, stats, 0, case.causal, None, mask, window, deterministic,
+                                ptrs)
+
+
+def _contiguous(shape):
+    from cuflash import _plan
+
+    return _plan.contiguous_strides(shape)
+
+
+@pytest.mark.parametrize("subset", ("all", "one"))
+def test_launched_by_is_what_the_plan_layer_builds(cases_module, planned, subset):
+    """For every run but decoding's (tested above), the variants launched_by predicts, on which
+    the subset 'one' prunes its runs and the families test counts, are the ones the plan layer
+    builds for it: what the GPU run's coverage line counts. Grouped forms on heads that are not
+    grouped, or a reduce kernel for broadcast heads, fail here rather than as a family the GPU
+    run missed."""
+    runs = [(case, form) for case, form in cases_module.runs(subset, "9.0")
+            if not isinstance(case, cases_module.DecodeCase)]
+    assert any("grouped" in form for _, form in runs) and any(case.sparse == cases_module.EVERY_BLOCK
+                                                               for case, _ in runs)
+    for case, form in runs:
+        assert cases_module.launched_by(case, form, subset, "9.0") == planned(case, form, subset), (case, form)

@@ -73,34 +73,53 @@ def test_paged_lengths_grow_and_come_round_to_zero_and_the_capacity(soak):
     assert int(lengths[1][0]) == int(lengths[0][0]) + 1
 
 
-def _samples(pool_used, plans):
-    return [{"t": i, "pool used": p, "plans 0": n} for i, (p, n) in enumerate(zip(pool_used, plans))]
+def _samples(pool_held, plans, pool_used=None):
+    pool_used = pool_used or [0] * len(pool_held)
+    return [{"t": i, "pool used": u, "pool held": p, "plans 0": n}
+            for i, (u, p, n) in enumerate(zip(pool_used, pool_held, plans))]
 
 
 def test_flatness(soak):
     mib = 2**20
     steady = _samples([900 * mib, 1000 * mib, 990 * mib, 1000 * mib, 1010 * mib, 1040 * mib], [5] * 6)
     verdict = soak.flatness(steady, 0)
-    assert verdict["pool used"] == {"first": 1000 * mib, "last": 1040 * mib, "flat": True}
-    assert verdict["plans 0"]["flat"]
+    assert verdict["pool held"] == {"first": 1000 * mib, "last": 1040 * mib, "flat": True, "judged": True}
+    assert verdict["plans 0"]["flat"] and soak.memory_flat(verdict)
     growing = _samples([100 * mib, 200 * mib, 300 * mib, 400 * mib, 500 * mib, 600 * mib], [1, 2, 3, 4, 5, 6])
     verdict = soak.flatness(growing, 0)
-    assert not verdict["pool used"]["flat"] and not verdict["plans 0"]["flat"]
+    assert not verdict["pool held"]["flat"] and not verdict["plans 0"]["flat"] and not soak.memory_flat(verdict)
     one_more_plan = _samples([mib] * 6, [5, 5, 5, 5, 5, 6])
     assert not soak.flatness(one_more_plan, 0)["plans 0"]["flat"]  # plan caches: no growth at all
-    assert soak.flatness(steady, 4) is None  # too few samples after warm-up
+    assert not soak.memory_flat(soak.flatness(one_more_plan, 0))
+    assert soak.flatness(steady, 4) is None and not soak.memory_flat(None)  # too few samples after warm-up
     # samples before the start (warm-up) are not judged
     assert soak.flatness(_samples([1, 5000 * mib, mib, mib, mib], [1, 9, 9, 9, 9]), 2)["plans 0"]["flat"]
+
+
+def test_bytes_in_use_are_reported_but_not_judged(soak):
+    """The pool's bytes in use, sampled while threads have calls in flight, rose 333 -> 512 MiB
+    in a soak whose held pool, device memory, host RSS and plans were flat: that passes; the
+    held pool growing by 369 MiB fails."""
+    mib = 2**20
+    in_flight = _samples([4131 * mib] * 6, [280] * 6, pool_used=[333 * mib, 300 * mib, 200 * mib, 100 * mib,
+                                                                  512 * mib, 400 * mib])
+    verdict = soak.flatness(in_flight, 0)
+    assert verdict["pool used"] == {"first": 333 * mib, "last": 512 * mib, "flat": False, "judged": False}
+    assert soak.memory_flat(verdict)
+    held_grows = _samples([4131 * mib] * 4 + [4500 * mib] * 2, [280] * 6)
+    assert not soak.memory_flat(soak.flatness(held_grows, 0))
 
 
 def test_summary_names_the_counts_and_the_verdict(soak):
     result = {"seconds": 120.4, "threads": 4, "signatures": 310, "calls": {"train": 10, "paged": 5},
               "checks": {"train: forward rows": 2}, "error_count": 0, "wrong_count": 1, "warm_at": 25.0,
-              "unseen": 0, "flat": {"pool used": {"first": 2**30, "last": 2**30, "flat": True}},
+              "unseen": 0, "flat": {"pool held": {"first": 2**30, "last": 2**30, "flat": True, "judged": True},
+                                    "pool used": {"first": 2**20, "last": 2**21, "flat": False, "judged": False}},
               "graph": {"steps": ["paged decoding"], "replays": 7, "mismatches": 0}, "passed": False}
     text = "\n".join(soak.summary_lines(result))
     assert "120 s, 4 threads, 310 signatures, 15 (paged 5, train 10) calls" in text
-    assert "errors: 0; wrong results: 1" in text and "pool used: 1024 MiB -> 1024 MiB flat" in text
+    assert "errors: 0; wrong results: 1" in text and "pool held: 1024 MiB -> 1024 MiB flat" in text
+    assert "pool used: 1 MiB -> 2 MiB (calls in flight: not judged)" in text and "GROWS" not in text
     assert "7 replays, 0 mismatches" in text and text.endswith("verdict: FAIL")
     result.update(warm_at=None, unseen=3)
     assert "not judged: 3 signatures never called" in "\n".join(soak.summary_lines(result))

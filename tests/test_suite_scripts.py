@@ -79,10 +79,16 @@ def test_sanitize_tools_write_to_out_folder(run_script):
     assert done.returncode == 0, done.stderr
     logs = run_script.work / "san"
     assert {"warm.log", "memcheck.log", "racecheck.log"} <= {p.name for p in logs.iterdir()}
-    sanitized = [c for c in calls if c.startswith("compute-sanitizer ")]
+    sanitized = [c for c in calls if c.startswith("compute-sanitizer --tool ")]
     assert len(sanitized) == 2 * 4  # SANITIZE_SHARDS' default of 4 shards a tool
-    assert sum("--tool memcheck" in c and "--subset all" in c for c in sanitized) == 4
-    assert sum("--tool racecheck" in c and "--subset one" in c for c in sanitized) == 4
+    assert sum("--tool memcheck --error-exitcode 1 " in c and "--subset all" in c for c in sanitized) == 4
+    # racecheck: every report displayed, the cubins kept, and racecheck_hazards.py the judge
+    racecheck = [c for c in sanitized if "--tool racecheck" in c]
+    assert len(racecheck) == 4 and all("--subset one" in c and "--print-limit 0 " in c and "--cubins " in c
+                                       and "--error-exitcode" not in c for c in racecheck)
+    sorted_by = [c for c in calls if c.startswith("python3 scripts/racecheck_hazards.py")]
+    assert len(sorted_by) == 1 and sorted_by[0].endswith(f"{logs}/racecheck.log")
+    assert (logs / "racecheck-hazards.txt").is_file()
     lines = done.stdout.splitlines()
     assert lines[-3] == f"== compute-sanitizer (logs in {logs}) =="
     assert lines[-2].startswith("memcheck (all, 4 shards): rc=0")
