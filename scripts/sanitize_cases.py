@@ -292,7 +292,7 @@ def launched_by(case, form, subset, arch) -> set:
     without a GPU (what the coverage line of a GPU run measures)."""
     from cuflash import _variants
 
-    from cuflash import _broadcast, _plan
+    from cuflash import _backward, _broadcast
 
     parts = set(filter(None, form.split("+")))
     tma = "cp.async" not in parts
@@ -317,7 +317,7 @@ def launched_by(case, form, subset, arch) -> set:
         # that bound is within _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES (few keys) and where
         # even the causal mean of an EVERY_BLOCK mask passes it (2 LONG_QUERIES keys).
         variant = _config.forward_config(case.dtype, case.d, case.dv, case.causal,
-                                         row_tiles=-(-case.nk // variant.block_cols), **forward)
+                                         row_tiles=lambda rows, cols: -(-case.nk // cols), **forward)
     launched = {variant}
     kv_group = _broadcast.kv_group(hq, hkv)
     if case.varlen:  # (heads, rows, d) arrays: packed sequences in the rows
@@ -334,7 +334,7 @@ def launched_by(case, form, subset, arch) -> set:
         launched |= {plan.preprocess, *plan.key_passes, plan.dq} - {None}
         # The 'grouped' form makes a key-pass CTA walk the whole k/v group (head_group_forced)
         head_group = kv_group if any(getattr(k, "grouped", False) for k in plan.key_passes) else 1
-        grads = _plan.gradient_layout(grad_shapes, lead, kv_group, case.dtype, 1, 1, head_group)[0]
+        grads = _backward.gradient_layout(grad_shapes, lead, kv_group, case.dtype, 1, 1, head_group)[0]
         if any(g.kind == "reduce" for g in grads):  # a float32 accumulator to convert or grouped heads to sum
             launched.add(_variants.GradientReduce(case.dtype))
     return launched

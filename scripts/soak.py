@@ -353,19 +353,10 @@ def worker(offset, order, deadline, tally, seed, check_every):
 
 
 def _plan_counts() -> dict:
-    """The plan caches' sizes, by whatever the plan layer offers (plan_counts(), or the sizes
-    of its caches), so that the soak outlives the layer's rewrites."""
-    from cuflash import _plan
+    """The plan cache's entries by kind (plans and the front ends' shortcuts to them)."""
+    from cuflash import _cache
 
-    counts = getattr(_plan, "plan_counts", None)
-    if counts is None:
-        return {}
-    value = counts()
-    if isinstance(value, dict):
-        return {f"plans {k}": int(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return {f"plans {i}": int(v) for i, v in enumerate(value)}
-    return {"plans": int(value)}
+    return {f"plans {kind}": int(n) for kind, n in sorted(_cache.PLANS.kinds().items())}
 
 
 def _resident_bytes() -> int:

@@ -45,7 +45,7 @@ def test_the_block_layouts_read_only_the_fixed_numbers(name, within):
 # list or stays within its layer, and none closes a cycle. A subpackage (bench, masks,
 # reference) is one node: its modules share its layer.
 LAYERS = (
-    ("fixed numbers and views", {"_constants", "_tiles", "_params", "_tma", "_views"}),
+    ("fixed numbers, views and requirements", {"_constants", "_tiles", "_params", "_tma", "_views", "_requirements"}),
     ("kernel variants, broadcasting, masks, the reference", {"_variants", "_broadcast", "masks", "reference"}),
     ("checks, choices, compilation, arrays, problems", {"_checks", "_config", "_loader", "_arrays", "_merge",
                                                         "_problem", "_validate"}),
@@ -128,8 +128,9 @@ def test_imports_point_down_the_layers():
 def test_front_ends_reach_the_layers_below_through_the_spine(front_end):
     """A front end turns arrays into problems and owns its outputs: of the package it takes the
     spine, and beside it only what describes arrays in its own terms (the broadcasting rule's
-    shapes, CuPy views of torch tensors, the masks, the named results)."""
-    allowed = {"_spine", "_broadcast", "_views", "masks", "_arrays", front_end}
+    shapes, CuPy views of torch tensors, the masks, the named results), the one-mode entry
+    points' shared argument checks and the missing-dependency messages."""
+    allowed = {"_spine", "_broadcast", "_views", "masks", "_arrays", "_entry_points", "_requirements", front_end}
     assert import_graph()[front_end] <= allowed, sorted(import_graph()[front_end] - allowed)
 
 
