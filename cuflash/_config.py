@@ -101,6 +101,13 @@ def head_dim_bucket(dim: int) -> int:
     raise ValueError(f"head dim {dim} exceeds {_constants.MAX_HEAD_DIM}")
 
 
+def persistent_query_tiles(d: int, causal: bool):
+    """The wgmma forward's persistent rule at head dim d: True, False, or the most query tiles
+    a head may have for the persistent form (_tiles.SM90_FORWARD_TILES's last field)."""
+    bound = _tiles.SM90_FORWARD_TILES[d][-1]
+    return bound[bool(causal)] if isinstance(bound, tuple) else bound
+
+
 def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, sparse: bool = False,
                    wgmma: bool = False, nq: typing.Optional[int] = None, tma: bool = True,
                    slices: int = 1, varlen: bool = False,
@@ -128,6 +135,7 @@ def forward_config(dtype: str, d: int, dv: int, causal: bool, *, tiles=None, spa
             and d in _tiles.SM90_FORWARD_TILES):
         *schedule, persistent = _tiles.SM90_FORWARD_TILES[d]
         q_tiles = None if nq is None else -(-nq // HopperForward.block_rows)
+        persistent = persistent_query_tiles(d, causal)
         if not isinstance(persistent, bool):
             persistent = q_tiles is not None and q_tiles <= persistent
         few_tiles = _tiles.SM90_SPARSE_PERSISTENT_ROW_TILES.get(d)

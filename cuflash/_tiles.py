@@ -44,13 +44,18 @@ TC_FORWARD_TILES = {
 # >= 2048 (level to 1.5% slower causal at 1024), with ping-pong on top no better and ping-pong
 # alone level (bench/NOTES.md, Forward on Hopper).
 #
-# persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
-# items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
+# persistent: True, False, an int n, or (n, n_causal): the persistent form (one CTA per SM
+# walking the work items) runs when a head has at most n query tiles of 128 rows (n_causal when
+# causal). It wins at seq 512-1024, where
 # a CTA's ring fills and drains in a handful of key tiles; from 4096 the one-item-a-CTA grid
 # was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k: its fixed
 # round-robin of items, longest query tiles first, balances worse than the hardware handing a
 # free SM the next CTA; but the non-causal forms, whose items are equal, lost too, so balance
 # is not all of it: bench/NOTES.md, Forward on Hopper).
+#
+# Causal at head dim 128 it stops at 4 tiles: one item a CTA against persistent, bf16, 16k
+# tokens, hidden 2048, on an H100 (bench/NOTES.md, Forward on Hopper): seq 768 202 against 219
+# us, 1024 232 against 269 (14%), 512 level (179 against 181), 256 persistent 12% faster.
 #
 # Head dim 256: 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of shared
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
@@ -62,7 +67,7 @@ TC_FORWARD_TILES = {
 # 128 it lost before the hd128 forward took the warp-uniform index and overlap (64 x 32/8 x
 # 1024: 1790 -> 1830 us) and wins since (64 x 32/8 x 1024 2-4%, 64 x 32/8 x 512 9%, fb4e54b;
 # bench/NOTES.md, Packed batches).
-SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, True, False, 8), 256: (64, 2, False, True, False)}
+SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, True, False, (8, 4)), 256: (64, 2, False, True, False)}
 
 # A block-sparse forward whose query tiles visit at most this many key tiles on average runs
 # the persistent form at any length, per head dim: few key tiles an item leave a one-item CTA

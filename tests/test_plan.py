@@ -156,8 +156,8 @@ def test_a_run_writes_its_pointers_and_launches_once(fake_gpu):
     assert first["smem"] == plan.variant.smem_bytes() and first["block"] == (plan.variant.threads, 1, 1)
 
 
-@pytest.mark.parametrize("d,longest,persistent", ((64, 1000, True), (64, 1100, False), (128, 1000, True),
-                                                  (128, 1100, False), (256, 1000, False)))
+@pytest.mark.parametrize("d,longest,persistent", ((64, 1000, True), (64, 1100, False), (128, 500, True),
+                                                  (128, 1000, False), (256, 1000, False)))
 def test_packed_batches_take_the_persistent_grid_where_dense_ones_do(fake_gpu, d, longest, persistent):
     """A packed (varlen) forward is persistent, one CTA an SM walking (tile, sequence, head)
     items, where a dense batch of its longest sequence would be; its parameter block then says
@@ -171,7 +171,8 @@ def test_packed_batches_take_the_persistent_grid_where_dense_ones_do(fake_gpu, d
     (launch,) = fake_gpu.launches
     tiles = -(-longest // 128)
     assert plan.kernel.variant.varlen and plan.kernel.variant.persistent == persistent
-    assert (_tiles.SM90_FORWARD_TILES[d][-1] is not False and tiles <= _tiles.SM90_FORWARD_TILES[d][-1]) == persistent
+    bound = _config.persistent_query_tiles(d, causal=True)
+    assert (bound is not False and tiles <= bound) == persistent
     words = struct.unpack(_params.FWD_PARAM_FORMAT, ctypes.string_at(plan.kernel.argv[0],
                                                                       struct.calcsize(_params.FWD_PARAM_FORMAT)))
     assert words[_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] == (0x7000, 0x8000)

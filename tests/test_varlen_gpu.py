@@ -105,20 +105,21 @@ def test_max_seqlen_below_the_longest_sequence_still_computes_it_whole(dtype, d,
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="the persistent and tile-major varlen forms are the wgmma ones")
-@pytest.mark.parametrize("longest", (1000, 1100))
+@pytest.mark.parametrize("longest", (500, 1000, 1100))
 @pytest.mark.parametrize("d", (64, 128))
 def test_wgmma_grids_of_long_and_short_sequences(d, longest, rng):
-    """Up to 1024 rows (8 query tiles) the head-dim-64 forward is persistent: one CTA an SM
+    """Up to 1024 rows (8 query tiles) the head-dim-64 forward is persistent (causal head dim
+    128: up to 512 rows, _config.persistent_query_tiles): one CTA an SM
     walks (tile, sequence, head) items, skipping tiles a shorter sequence lacks; otherwise one
     item a CTA. The backward's grid of up to TILE_MAJOR_VARLEN_BACKWARD_TILES key tiles is read
     tile-major in groups of SLICE_GROUP slices (kernels/slice.cuh): here 3 sequences of
     SLICE_GROUP + 4 heads, 60 slices, three full groups and a short one. Every covered row is
     checked against float64, so a tile run twice or never shows there."""
     import cuflash
-    from cuflash import _constants, _tiles, _variants
+    from cuflash import _config, _constants, _variants
 
     heads = _constants.SLICE_GROUP + 4
-    persistent = -(-longest // 128) <= _tiles.SM90_FORWARD_TILES[d][-1]
+    persistent = -(-longest // 128) <= _config.persistent_query_tiles(d, causal=True)
     # 1000 rows: the backward's grid is tile-major; 1100: not.
     assert -(-1000 // 128) <= _constants.TILE_MAJOR_VARLEN_BACKWARD_TILES < -(-1100 // 128)
     lengths = (longest, 0, 301)
