@@ -5,9 +5,10 @@ The kernels check each block against these layouts when they are built: ``_varia
 kernel_defines()`` passes the blocks' sizes, the words a call writes and (for the decoding
 blocks) each member's word as defines, and kernels/common.cuh, grad_reduce.cu and
 flash_decode.cu static_assert them, so a member renamed, moved, added or dropped on one side
-stops the build. _plan.py and _decode.py pack the blocks; this module imports nothing but the
-standard library and cuflash/_constants.py, so the defines need neither of them. Read each
-name through this module at the time of use (``_params.FWD_PARAM_FORMAT``).
+stops the build. The plans (_launch.py, _forward.py, _backward.py, _decode.py) pack the
+blocks; this module imports nothing but the standard library and cuflash/_constants.py, so the
+defines need neither of them. Read each name through this module at the time of use
+(``_params.FWD_PARAM_FORMAT``).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def param_block(raws, geometries, param_bytes: int) -> bytes:
 def geometries(nq: int, nk: int, d: int, layout, row_strides, block_rows: int, block_cols: int) -> tuple:
     """The arguments of ``encode`` after the pointer, for q, k and v of one forward launch:
     (cols, rows, row_stride, slice stride, slice count, box rows). They depend on the call's
-    signature only; cuflash/_plan.py keeps them with the launch plan."""
+    signature only; the forward's plan (cuflash/_forward.py) keeps them."""
     out = []
     for n, strides, group, box, row_stride in ((nq, layout.q_strides, 1, block_rows, row_strides[0]),
                                                (nk, layout.k_strides, layout.kv_group, block_cols, row_strides[1]),

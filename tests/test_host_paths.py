@@ -194,10 +194,10 @@ def torch_gpu(gpu, monkeypatch):
     of them are CuPy arrays over no memory at the tensors' addresses."""
     torch = pytest.importorskip("torch")
     import cuflash.torch as ct
-    from cuflash import _views
+    from cuflash import _torch_launch, _views
 
-    monkeypatch.setattr(ct, "_check_cuda", lambda *tensors: types.SimpleNamespace(index=0, type="cuda"))
-    monkeypatch.setattr(ct, "_raw_stream", lambda index: 6)
+    monkeypatch.setattr(_torch_launch, "_check_cuda", lambda *tensors: types.SimpleNamespace(index=0, type="cuda"))
+    monkeypatch.setattr(_torch_launch, "_raw_stream", lambda index: 6)
 
     def view(t, same_stream=False):
         dtype = np.int32 if t.dtype == torch.int32 else np.float16

@@ -272,9 +272,11 @@ def kernels(monkeypatch):
     with a GPU too: the model reads and writes the buffers as NumPy arrays, which only the CPU
     backend's are)."""
     model = KernelModel()
-    monkeypatch.setattr(cj, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
-    monkeypatch.setattr(cj, "_xla_stream", lambda ctx: 0)
-    monkeypatch.setattr(cj, "_run_forward", model.run_forward)
+    from cuflash import _jax_calls
+
+    monkeypatch.setattr(_jax_calls, "_pointer", lambda buf: np.asarray(buf).__array_interface__["data"][0])
+    monkeypatch.setattr(_jax_calls, "_xla_stream", lambda ctx: 0)
+    monkeypatch.setattr(_jax_calls, "_run_forward", model.run_forward)
     monkeypatch.setattr(_spine, "bound_plan", model.bound_plan)
     with jax.default_device(jax.devices("cpu")[0]):
         yield model

@@ -52,7 +52,7 @@ LAYERS = (
     ("driver and plan cache", {"_driver", "_cache"}),
     ("plans", {"_launch", "_forward", "_backward", "_decode"}),
     ("spine", {"_spine"}),
-    ("front ends", {"__init__", "_api", "_entry_points", "torch", "jax"}),
+    ("front ends", {"__init__", "_api", "_entry_points", "torch", "_torch_launch", "jax", "_jax_calls"}),
     ("integrations and tools", {"transformers", "distributed", "bench", "compile_check"}),
 )
 LAYER_OF = {node: rank for rank, (_, nodes) in enumerate(LAYERS) for node in nodes}
@@ -124,13 +124,17 @@ def test_imports_point_down_the_layers():
     assert not upward, "\n".join(upward)
 
 
-@pytest.mark.parametrize("front_end", ["_api", "torch", "jax"])
-def test_front_ends_reach_the_layers_below_through_the_spine(front_end):
+@pytest.mark.parametrize("front_end, own_launches", [("_api", None), ("torch", "_torch_launch"),
+                                                     ("_torch_launch", None), ("jax", "_jax_calls"),
+                                                     ("_jax_calls", None)])
+def test_front_ends_reach_the_layers_below_through_the_spine(front_end, own_launches):
     """A front end turns arrays into problems and owns its outputs: of the package it takes the
     spine, and beside it only what describes arrays in its own terms (the broadcasting rule's
     shapes, CuPy views of torch tensors, the masks, the named results), the one-mode entry
-    points' shared argument checks and the missing-dependency messages."""
-    allowed = {"_spine", "_broadcast", "_views", "masks", "_arrays", "_entry_points", "_requirements", front_end}
+    points' shared argument checks, the missing-dependency messages and its own launches (the
+    torch adapter's on torch's stream, the JAX adapter's XLA calls), which import no front end."""
+    allowed = {"_spine", "_broadcast", "_views", "masks", "_arrays", "_entry_points", "_requirements", front_end,
+               own_launches}
     assert import_graph()[front_end] <= allowed, sorted(import_graph()[front_end] - allowed)
 
 

@@ -105,32 +105,33 @@ def test_packed_cases_cover_every_head_dim_and_clamp_their_boundaries(cases_modu
 
 @pytest.fixture
 def planned(monkeypatch, cases_module):
-    """plan(case, form, subset): the variants cuflash's plan layer (cuflash/_plan.py) builds for
-    a run's forward and backwards, as the GPU run's coverage line records them (every
-    get_kernel), on a stand-in H100: compute capability 9.0 and sanitize_cases.SM_COUNT SMs,
-    tensor maps encoded (the cases' inputs are ones the copy engine takes: their TMA forms
-    ran), block-sparse tile lists kept on the host, kernels recorded instead of compiled."""
-    from cuflash import _loader, _plan, _tma
+    """plan(case, form, subset): the variants cuflash's plans (cuflash/_forward.py,
+    _backward.py, through cuflash/_spine.py) build for a run's forward and backwards, as the GPU
+    run's coverage line records them (every get_kernel), on a stand-in H100: compute capability
+    9.0 and sanitize_cases.SM_COUNT SMs, tensor maps encoded (the cases' inputs are ones the copy
+    engine takes: their TMA forms ran), block-sparse tile lists kept on the host, kernels
+    recorded instead of compiled."""
+    from cuflash import _cache, _driver, _launch, _loader, _tma
 
     built = set()
     raw = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1), max_dynamic_shared_size_bytes=0)
     monkeypatch.setattr(_loader, "get_kernel", lambda variant, device=None: built.add(variant) or raw)
-    monkeypatch.setattr(_plan, "compute_capability", lambda device_id: "90")
-    monkeypatch.setattr(_plan, "sm_count", lambda device_id: cases_module.SM_COUNT)
-    monkeypatch.setattr(_plan, "device_context", lambda device_id: 0)
-    monkeypatch.setattr(_plan, "_device", lambda device_id: contextlib.nullcontext())
-    monkeypatch.setattr(_plan, "sparsity_fields", lambda *args, **kwargs: (_plan.DENSE_SPARSITY, None))
+    monkeypatch.setattr(_driver, "compute_capability", lambda device_id: "90")
+    monkeypatch.setattr(_driver, "sm_count", lambda device_id: cases_module.SM_COUNT)
+    monkeypatch.setattr(_driver, "device_context", lambda device_id: 0)
+    monkeypatch.setattr(_driver, "device", lambda device_id: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "sparsity_fields", lambda *args, **kwargs: (_launch.DENSE_SPARSITY, None))
     monkeypatch.setattr(_tma, "encode", lambda *args: bytes(_tma.MAP_BYTES))
 
     def plan(case, form, subset):
         built.clear()
-        _plan.clear()
+        _cache.clear()
         with cases_module._form(form):
             _build_plans(cases_module, case, subset)
         return set(built)
 
     yield plan
-    _plan.clear()
+    _cache.clear()
 
 
 def _strided(lead, heads, n, d):
@@ -143,41 +144,32 @@ def _strided(lead, heads, n, d):
 
 def _build_plans(cases_module, case, subset):
     """The plans cuflash.attention and attention_backward build for a run_case (strided inputs,
-    its mask and window; packed: run_varlen_case's layout), through cuflash/_plan.py as
+    its mask and window; packed: run_varlen_case's layout, neither mask nor window), through cuflash/_spine.py as
     cuflash/_api.py calls it."""
-    from cuflash import _plan, masks
+    from cuflash import _spine, masks
 
     batch, hq, hkv = cases_module.slices_of(case, subset)
     ptrs = tuple(0x100000 * (i + 1) for i in range(5))  # aligned and apart
+    varlen = None
     if case.varlen:
         lengths_q, lengths_k = zip(*cases_module.packed_lengths(case.nq, case.nk))
         lead, nq, nk = (), sum(lengths_q), sum(lengths_k)
-        num_seqs = len(cases_module.packed_boundaries(lengths_q)) - 1
+        varlen = _spine.Varlen(len(cases_module.packed_boundaries(lengths_q)) - 1, case.nq, case.nk)
     else:
         lead, nq, nk = (batch,), case.nq, case.nk
     q, do, o = _strided(lead, hq, nq, case.d), _strided(lead, hq, nq, case.dv), _strided(lead, hq, nq, case.dv)
     k, v = _strided(lead, hkv, nk, case.d), _strided(lead, hkv, nk, case.dv)
-    kwargs = cases_module.mask_kwargs(case, np.random.default_rng(0)) if case.sparse else {}
+    kwargs = cases_module.mask_kwargs(case, np.random.default_rng(0)) if case.sparse and not case.varlen else {}
     mask, window = kwargs.get("block_mask"), masks.window_option(kwargs.get("window"))
-    stats = ((lead + (hq, nq), _contiguous(lead + (hq, nq)), "float32"),) * 2
+    stats = ((lead + (hq, nq), _spine.contiguous_strides(lead + (hq, nq)), "float32"),) * 2
+    options = dict(causal=case.causal, mask=mask, window=window, varlen=varlen)
+    shapes, strides = zip(q, k, v)
+    _spine.forward(_spine.forward_problem(shapes, strides, (case.dtype,) * 3, 0, **options), ptrs[:3])
     shapes, strides = zip(do, q, k, v, o)
-    if case.varlen:
-        _plan.varlen_forward_plan(*q, *k, *v, case.dtype, 0, case.causal, None, window, num_seqs, case.nq, ptrs[:3])
-    else:
-        _plan.forward_plan(*q, *k, *v, case.dtype, 0, case.causal, None, mask, window, ptrs[:3])
     for deterministic in (False, True) if case.dtype != "float32" else (False,):
-        if case.varlen:
-            _plan.varlen_backward_plan(shapes, strides, case.dtype, stats, 0, case.causal, None, window, deterministic,
-                                       num_seqs, case.nq, case.nk, ptrs)
-        else:
-            _plan.backward_plan(shapes, strides, case.dtype, stats, 0, case.causal, None, mask, window, deterministic,
-                                ptrs)
-
-
-def _contiguous(shape):
-    from cuflash import _plan
-
-    return _plan.contiguous_strides(shape)
+        problem = _spine.backward_problem(shapes, strides, (case.dtype,) * 5, stats, 0, deterministic=deterministic,
+                                          **options)
+        _spine.backward(problem, ptrs)
 
 
 @pytest.mark.parametrize("subset", ("all", "one"))
