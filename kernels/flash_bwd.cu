@@ -57,9 +57,20 @@ __device__ __forceinline__ float dot8(const T* a, const T* b) {  // 8 elements, 
     return acc;
 }
 
-template <typename T, int NWARPS, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant: a parameter for each field of cuflash/_variants.py's BackwardPreprocess.
+template <typename dtype, int warps, bool varlen>
+struct BwdPreTraits {
+    using T = dtype;
+    static constexpr int NWARPS = warps;
+    static constexpr bool VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using T = typename K::T;
+    constexpr int NWARPS = K::NWARPS;
+    constexpr bool VARLEN = K::VARLEN;
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -172,13 +183,32 @@ struct BwdSmemLayout {
 //   dK, dV (BC x HD / HDV): WK_KV warps along keys x NWARPS / WK_KV along the head dim
 //   dQ (BR x HD):           WM_Q warps along queries x NWARPS / WM_Q along the head dim
 // P and dS go through shared memory ([query][key], 16-bit) between the first matmuls and
-// the rest; dK and dV stay in registers for the whole walk. VARLEN: the CTA walks the key
+// the rest; dK and dV stay in registers for the whole walk. varlen: the CTA walks the key
 // tiles of its sequence that its grid position names (slice.cuh's work items).
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
-          bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, bool SPARSE,
-          bool VARLEN, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
+//
+// One variant: a parameter for each field of cuflash/_variants.py's TensorCoreBackward, in its
+// order (warps_s_rows, warps_kv_rows, warps_dq_rows: WM_S, WK_KV, WM_Q above), then smem_bytes,
+// which BwdSmemLayout must come to.
+template <typename dtype, int head_dim, int head_dim_v, int block_rows, int block_cols, int warps, int min_blocks,
+          bool causal, bool do_dk, bool do_dv, bool atomic_dq, int warps_s_rows, int warps_kv_rows, int warps_dq_rows,
+          bool sparse, bool varlen, int smem_bytes>
+struct BwdTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, HDV = head_dim_v, BR = block_rows, BC = block_cols;
+    static constexpr int NWARPS = warps, MINB = min_blocks, SMEM_BYTES = smem_bytes;
+    static constexpr int WM_S = warps_s_rows, WK_KV = warps_kv_rows, WM_Q = warps_dq_rows;
+    static constexpr bool CAUSAL = causal, DO_DK = do_dk, DO_DV = do_dv, ATOMIC_DQ = atomic_dq;
+    static constexpr bool SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::MINB)
 flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, HDV = K::HDV, BR = K::BR, BC = K::BC, NWARPS = K::NWARPS, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr int WM_S = K::WM_S, WK_KV = K::WK_KV, WM_Q = K::WM_Q;
+    constexpr bool CAUSAL = K::CAUSAL, DO_DK = K::DO_DK, DO_DV = K::DO_DV, ATOMIC_DQ = K::ATOMIC_DQ;
+    constexpr bool SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
     constexpr int NT = NWARPS * 32;
     constexpr int S_ROWS = BR / WM_S, S_COLS = BC / (NWARPS / WM_S);
@@ -188,7 +218,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
                   "every warp tile is whole 16 x 16 blocks");
     static_assert(DK_COLS % 16 == 0 && DV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "head-dim slices are 16 wide");
     using L = BwdSmemLayout<HD, HDV, BR, BC>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackward.fixed_smem");
     static_assert(kStatsRowMultiple % BR == 0, "statistics tiles of BR rows stay inside the padded rows");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -411,15 +441,28 @@ struct BwdDqSmemLayout {
     static constexpr int bytes = 2 * (q_elems + do_elems + 2 * k_elems + 2 * v_elems);
 };
 
-// VARLEN: the CTA walks the query tiles of its sequence that its grid position names.
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE, bool VARLEN,
-          int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
+// One variant: a parameter for each field of cuflash/_variants.py's TensorCoreBackwardDq, in
+// its order, then smem_bytes, which BwdDqSmemLayout must come to. varlen: the CTA walks the
+// query tiles of its sequence that its grid position names.
+template <typename dtype, int head_dim, int head_dim_v, int block_rows, int block_cols, int warps, int min_blocks,
+          bool causal, bool sparse, bool varlen, int smem_bytes>
+struct BwdDqTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, HDV = head_dim_v, BR = block_rows, BC = block_cols;
+    static constexpr int NWARPS = warps, MINB = min_blocks, SMEM_BYTES = smem_bytes;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::MINB)
 flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, HDV = K::HDV, BR = K::BR, BC = K::BC, NWARPS = K::NWARPS, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
     constexpr int NT = NWARPS * 32;
     using L = BwdDqSmemLayout<HD, HDV, BR, BC>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackwardDq.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackwardDq.fixed_smem");
     static_assert(kStatsRowMultiple % BR == 0, "query tiles stay inside the statistics' padded rows");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);

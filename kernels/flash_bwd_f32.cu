@@ -22,11 +22,26 @@ __device__ __forceinline__ void load_rows_f32(float* smem, const float* gmem, i6
     }
 }
 
-// DT = ceil(d / 32), DVT = ceil(dv / 32): dK / dV columns per lane. VARLEN (both kernels): the
-// CTA walks the tiles of its sequence that its grid position names (slice.cuh).
-template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL, bool SPARSE, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant of each kernel: a parameter for each field of cuflash/_variants.py's
+// Float32BackwardDkDv and Float32BackwardDq, in its order. dim_tiles: dK and dV columns (DT,
+// DVT), or dQ columns (DT), per lane: ceil(max(d, dv) / 32). varlen (both kernels): the CTA
+// walks the tiles of its sequence that its grid position names (slice.cuh).
+template <int dim_tiles, bool causal, int warps, int keys_per_warp, bool sparse, bool varlen>
+struct BwdDkDv32Traits {
+    static constexpr int DT = dim_tiles, DVT = dim_tiles, NWARPS = warps, KPW = keys_per_warp;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+template <int dim_tiles, bool causal, int warps, int rows_per_warp, bool sparse, bool varlen>
+struct BwdDq32Traits {
+    static constexpr int DT = dim_tiles, NWARPS = warps, RPW = rows_per_warp;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    constexpr int DT = K::DT, DVT = K::DVT, NWARPS = K::NWARPS, KPW = K::KPW;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     constexpr int NT = NWARPS * 32, BK = NWARPS * KPW;
     constexpr int QP = DT * 32 + 1, OP = DVT * 32 + 1;  // odd pitches: lane j reads row j
     const int d = (int)p.d, dv = (int)p.dv;
@@ -107,9 +122,11 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     }  // items
 }
 
-template <int DT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    constexpr int DT = K::DT, NWARPS = K::NWARPS, RPW = K::RPW;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, KP = DT * 32 + 1;
     const int d = (int)p.d, dv = (int)p.dv, vp = dv + 1;
     extern __shared__ __align__(16) float smem_f32[];

@@ -146,15 +146,30 @@ __device__ __forceinline__ void walk_bwd_items(const FwdParams& p, const GridCel
     }
 }
 
+// One variant: a parameter for each field of cuflash/_variants.py's HopperBackward, in its
+// order, then smem_bytes, which Bwd90SmemLayout must come to. (The CTA's keys, query rows and
+// threads are every variant's: kBwd90Keys, kBwd90Rows, kBwd90Threads.)
+template <typename dtype, int head_dim, bool atomic_dq, bool causal, int stages, bool sparse, bool varlen, bool grouped,
+          bool tma, bool persistent, int smem_bytes>
+struct Bwd90Traits {
+    using T = dtype;
+    static constexpr int HD = head_dim, STAGES = stages, SMEM_BYTES = smem_bytes;
+    static constexpr bool ATOMIC_DQ = atomic_dq, CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+    static constexpr bool GROUPED = grouped, TMA = tma, PERSISTENT = persistent;
+};
+
 // VARLEN: a packed variable-length batch (slice.cuh): the CTA walks the key tiles of its
 // sequence that its grid position names. Its ring of Q / dO stages counts on across them (a
 // tile's stage and phase come from the tiles of the earlier items plus its own index), and
 // all three warpgroups meet between items, before K and V are replaced.
-template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool VARLEN, bool GROUPED,
-          bool TMA, bool PERSISTENT, int SMEM_BYTES>
+template <class K>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b,
                       const __grid_constant__ sm90::Bwd90Maps maps) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, STAGES = K::STAGES, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool ATOMIC_DQ = K::ATOMIC_DQ, CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
+    constexpr bool GROUPED = K::GROUPED, TMA = K::TMA, PERSISTENT = K::PERSISTENT;
     using L = Bwd90SmemLayout<HD, STAGES, PERSISTENT>;
     // Causal items differ in length, which a fixed round-robin shares out worse than the hardware
     // starting one CTA an item (bench/NOTES.md, session 25)
@@ -179,7 +194,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     constexpr bool kDqWarp = TMA && ATOMIC_DQ && HD == 64;
     constexpr int kDqBarrierThreads = 128 + 32;  // warpgroup 1 and the dQ warp
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.fixed_smem");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;

@@ -218,13 +218,28 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* const* g
     }
 }
 
+// One variant: a parameter for each field of cuflash/_variants.py's SplitKvDecode, in its
+// order, then smem_bytes, which DecodeSmemLayout must come to.
+template <typename dtype, int head_dim, int block_cols, int warps, int stages, bool paged, int row_warps,
+          int smem_bytes>
+struct DecodeTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, BC = block_cols, NWARPS = warps, STAGES = stages, ROW_WARPS = row_warps;
+    static constexpr int SMEM_BYTES = smem_bytes;
+    static constexpr bool PAGED = paged;
+};
+
 // Paged forms ask for the two CTAs an SM their shared memory is sized for: left to itself
 // NVRTC gave the eight-warp, one-row-warp form 80 registers and a spill, and with one asked
 // the eight-warp forms took more than two CTAs' registers. (0 leaves the dense forms' machine
 // code as it was; they fit two CTAs on their own.)
-template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, PAGED ? 2 : 0)
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::PAGED ? 2 : 0)
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, BC = K::BC, NWARPS = K::NWARPS, STAGES = K::STAGES, ROW_WARPS = K::ROW_WARPS;
+    constexpr int SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool PAGED = K::PAGED;
     constexpr int NT = NWARPS * 32;
     constexpr int KEY_WARPS = NWARPS / ROW_WARPS;
     constexpr int KW = BC / KEY_WARPS;  // keys a warp owns in each tile
@@ -234,7 +249,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     static_assert(KW % kPageGroup == 0, "each warp takes whole page groups (one page look-up each)");
     static_assert(HD % 16 == 0 && STAGES >= 2, "mma tiles are 16 wide; at least double buffering");
     using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS, PAGED>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against SplitKvDecode.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against SplitKvDecode.fixed_smem");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
@@ -589,9 +604,18 @@ __device__ __forceinline__ float combine_block_reduce(float x, bool is_max, floa
 
 constexpr int kMaxDecodeSplits = CUFLASH_MAX_DECODE_SPLITS;  // cuflash/_constants.py
 
-template <typename T, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant: a parameter for each field of cuflash/_variants.py's DecodeCombine.
+template <typename dtype, int warps>
+struct DecodeCombineTraits {
+    using T = dtype;
+    static constexpr int NWARPS = warps;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_decode_combine_kernel(const __grid_constant__ DecodeCombineParams p) {
+    using T = typename K::T;
+    constexpr int NWARPS = K::NWARPS;
     __shared__ float scratch[NWARPS];
     __shared__ float weights[kMaxDecodeSplits];
     __shared__ float4 partial[NWARPS][32];

@@ -31,13 +31,26 @@ struct FwdSmemLayout {
     static constexpr int bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
 
-// SMEM_BYTES: the dynamic shared memory the launch gives, as cuflash/_variants.py computed it.
-// VARLEN: a packed variable-length batch; the CTA walks the query tiles of its sequence that
-// its grid position names (slice.cuh's work items).
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, int QK_UNROLL, bool SPARSE,
-          bool VARLEN, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
+// One forward variant: a parameter for each field of cuflash/_variants.py's TensorCoreForward,
+// in its order, then smem_bytes, the dynamic shared memory Python sizes the launch with (the
+// layout above must come to it). varlen: a packed variable-length batch; the CTA walks the
+// query tiles of its sequence that its grid position names (slice.cuh's work items).
+template <typename dtype, int head_dim, int head_dim_v, int block_rows, int block_cols, int warps, int min_blocks,
+          bool causal, int qk_unroll, bool sparse, bool varlen, int smem_bytes>
+struct FwdTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, HDV = head_dim_v, BR = block_rows, BC = block_cols;
+    static constexpr int NWARPS = warps, MINB = min_blocks, QK_UNROLL = qk_unroll, SMEM_BYTES = smem_bytes;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, HDV = K::HDV, BR = K::BR, BC = K::BC, NWARPS = K::NWARPS, QK_UNROLL = K::QK_UNROLL;
+    constexpr int SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
     // memory feeds MT mmas, which is what keeps ldmatrix bandwidth below the mma rate.
     constexpr int MT = BR / (16 * NWARPS);
@@ -46,7 +59,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     constexpr int NT = NWARPS * 32;
     constexpr int WR = 16 * MT;  // query rows per warp
     using L = FwdSmemLayout<HD, HDV, BR, BC>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreForward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreForward.fixed_smem");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);

@@ -30,8 +30,16 @@ template <> __device__ __forceinline__ void store4<float>(void* dst, i64 i, floa
     *reinterpret_cast<float4*>(reinterpret_cast<float*>(dst) + i) = x;
 }
 
-template <typename T, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS) grad_reduce_kernel(const GradReduceParams p) {
+// One variant: a parameter for each field of cuflash/_variants.py's GradientReduce.
+template <typename dtype, int warps>
+struct GradReduceTraits {
+    using T = dtype;
+    static constexpr int WARPS = warps;
+};
+
+template <class K>
+__global__ void __launch_bounds__(32 * K::WARPS) grad_reduce_kernel(const GradReduceParams p) {
+    using T = typename K::T;
     const i64 total = p.outer * p.inner;
     const i64 step = 4 * static_cast<i64>(gridDim.x) * blockDim.x;
     for (i64 i = 4 * (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x); i < total; i += step) {

@@ -82,7 +82,7 @@ def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
     wrong_size = _BrokenVariant()
     wrong_size.name_expression = variant.name_expression.replace(f"{variant.smem_bytes()}>", f"{variant.smem_bytes() + 16}>")
     assert wrong_size.name_expression != variant.name_expression
-    with pytest.raises(RuntimeError, match="TensorCoreForward.smem_bytes"):
+    with pytest.raises(RuntimeError, match="TensorCoreForward.fixed_smem"):
         _loader.compile_offline(variant.source, [wrong_size.name_expression], "sm_80")
     monkeypatch.setattr(_constants, "SMEM_PAD", 16)
     padded = dataclasses.replace(variant)  # smem_bytes follows the new padding: only the pad is wrong
@@ -121,4 +121,6 @@ def test_kernels_check_the_parameter_blocks_python_packs(monkeypatch):
 class _BrokenVariant:
     source = "flash_fwd.cu"
     key = "broken"
-    name_expression = "cuflash::flash_fwd_kernel<cuflash::bf16, 24, 24, 128, 64, 8, 1, false>"
+    # head dim 24: not a whole number of 16-wide mma tiles
+    name_expression = ("cuflash::flash_fwd_kernel<cuflash::FwdTraits<cuflash::bf16, 24, 24, 128, 64, 8, 1, false, 2, "
+                       "false, false, 0>>")
