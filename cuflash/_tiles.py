@@ -22,7 +22,7 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 # registers per row tile and S block_cols / 8 * 4, which is what bounds these choices.
 TC_FORWARD_TILES = {
     32: (128, 64, 4, 1, 4),
-    64: (128, 64, 4, 1, 4),  # 322 TFLOP/s at seq 4096 on the H200 (bench/NOTES.md)
+    64: (128, 64, 4, 1, 4),  # 322 TFLOP/s at seq 4096 on the H200 (bench/NOTES.md, Forward (mma.sync))
     96: (128, 64, 8, 1),
     128: (256, 32, 8, 1, 4),  # 293 TFLOP/s; (128, 32, 4, 1) is faster causal but spills
     160: (128, 32, 8, 1),
@@ -40,9 +40,9 @@ TC_FORWARD_TILES = {
 # Overlap (S of t + 1 issued before P V of t, softmax of t + 1 while P V of t runs) with
 # ping-pong is the fastest at hdim 64 (331 against 324 TFLOP/s at seq 4096, 435 against 408 at
 # 16k). At hdim 128 neither helped (506 against 507 at 4096, 591 against 564 at 16k) until the
-# warp-uniform warpgroup index (session 21): since, overlap alone is 1.7-3.1% faster at seq
+# warp-uniform warpgroup index (sm90.cuh): since, overlap alone is 1.7-3.1% faster at seq
 # >= 2048 (level to 1.5% slower causal at 1024), with ping-pong on top no better and ping-pong
-# alone level; bench/NOTES.md.
+# alone level; bench/NOTES.md, Forward on Hopper (wgmma, TMA, persistence).
 #
 # persistent: True, False, or an int n: the persistent form (one CTA per SM walking the work
 # items) runs when a head has at most n query tiles of 128 rows. It wins at seq 512-1024, where
@@ -50,7 +50,7 @@ TC_FORWARD_TILES = {
 # was as fast or faster (causal: 447 against 528 TFLOP/s at hdim 128, seq 16k: its fixed
 # round-robin of items, longest query tiles first, balances worse than the hardware handing a
 # free SM the next CTA; but the non-causal forms, whose items are equal, lost too, so balance
-# is not all of it: bench/NOTES.md, sixth session).
+# is not all of it: bench/NOTES.md, Forward on Hopper (wgmma, TMA, persistence)).
 #
 # Head dim 256: 64-key tiles and 2 stages (Q and a stage of K and V are 128 KB of shared
 # memory; O is 128 of a consumer thread's 232 registers), with ping-pong: 456 against 417
@@ -58,15 +58,16 @@ TC_FORWARD_TILES = {
 # persistent: at seq 1024 that was 292 against 313 (13d71f8), and its forms spill 120-188 bytes.
 #
 # Packed (varlen) batches take the persistent form where a dense batch of their longest sequence
-# would. At 64 it won as it does dense (64 x 12 x 1024, causal: 492 -> 435 us, session 16); at
-# 128 it lost then (64 x 32/8 x 1024: 1790 -> 1830 us) and wins since the hd128 forward's
-# changes of session 21 (64 x 32/8 x 1024 2-4%, 64 x 32/8 x 512 9%: bench/NOTES.md, session 22).
+# would. At 64 it won as it does dense (64 x 12 x 1024, causal: 492 -> 435 us); at 128 it lost
+# at first (64 x 32/8 x 1024: 1790 -> 1830 us) and wins since the hd128 forward took the
+# warp-uniform warpgroup index (64 x 32/8 x 1024 2-4%, 64 x 32/8 x 512 9%: bench/NOTES.md,
+# Packed batches (varlen)).
 SM90_FORWARD_TILES = {64: (128, 3, True, True, 8), 128: (128, 3, True, False, 8), 256: (64, 2, False, True, False)}
 
 # A block-sparse forward whose query tiles visit at most this many key tiles on average runs
 # the persistent form at any length, per head dim: few key tiles an item leave a one-item CTA
 # mostly filling and draining its ring, which the persistent form overlaps with the next item.
-# Measured on the H200 (bench/NOTES.md, session 24; bf16, 128 x 128 blocks, persistent against
+# Measured on the H200 (bench/NOTES.md, Block-sparse; bf16, 128 x 128 blocks, persistent against
 # one item a CTA): hd64 2 x 32 x 8192 butterfly (7 tiles) 8.6% faster, local (5) 11.8%, random
 # (7.5) 0.8%; 16384 butterfly (8) 8.2%, local 13.5%; from 14 tiles level to 2% slower (random,
 # fixed, strided), dense 4-7% slower. hd128 (1 x 16 x 4096 / 16384) was level or slower on
@@ -79,10 +80,10 @@ SM90_SPARSE_PERSISTENT_ROW_TILES = {64: 8}
 # Head dims at which the wgmma key pass (kernels/flash_bwd_sm90.cu) runs persistent when not
 # causal: one CTA an SM walks the (key tile, slice) items, and its producer loads the next
 # item's K and V into a second buffer while the consumers finish this one, where one item a CTA
-# starts each CTA on an empty ring. Measured on the H200 (bench/NOTES.md, session 25; bf16,
-# one item a CTA -> persistent, two rounds each, us): 16 x 32 x 1024 x 64 1134-1140 -> 1072-1076
-# (5.6% faster), 4 x 32 x 4096 3520-3543 -> 3494-3508 (0.7%), 1 x 32 x 16384 13294-13387 ->
-# 13273-13276 (0.5%). Causal it lost 6-14% (4 x 32 x 4096 1955-1983 -> 2242, 1 x 32 x 16384
+# starts each CTA on an empty ring. Measured on the H200 (bench/NOTES.md, Backward on Hopper
+# (key pass); bf16, one item a CTA -> persistent, two rounds each, us): 16 x 32 x 1024 x 64
+# 1134-1140 -> 1072-1076 (5.6% faster), 4 x 32 x 4096 3520-3543 -> 3494-3508 (0.7%),
+# 1 x 32 x 16384 13294-13387 -> 13273-13276 (0.5%). Causal it lost 6-14% (4 x 32 x 4096 1955-1983 -> 2242, 1 x 32 x 16384
 # 6738-6867 -> 7240): a fixed round-robin of items of unequal length, which one item a CTA
 # leaves to the hardware. At head dim 128 a second K and V (64 KB) does not fit beside the ring.
 SM90_PERSISTENT_BACKWARD_DIMS = (64,)
@@ -139,11 +140,11 @@ DECODE_HEAD_DIM_BUCKETS = (64, 128)
 # a CTA) and one an A100's. Four row warps hold 64 rows of Q, and their one key warp the whole
 # tile's S: smaller tiles there (64 and 48 keys: 16 and 24 KB a stage) keep two CTAs an SM and
 # S at 32 or 24 registers. One row warp at head dim 64 takes eight warps of 16 keys each (128
-# keys, 101 KB, two CTAs an SM). Measured on the H200 (bench/NOTES.md, session 11; GQA 32/8,
+# keys, 101 KB, two CTAs an SM). Measured on the H200 (bench/NOTES.md, Decoding; GQA 32/8,
 # one query, batch 1-128, 1k-128k keys): of 9 forms at head dim 128 and 8 at 64 (16-256 keys,
 # 1-8 warps, 2-8 stages), these stream fastest; none passed ~4.2 TB/s at large batches then,
-# which was the padded shared-memory rows (session 18: swizzled, GQA reaches SDPA's ~4.4).
-# Two row warps at head dim 64 (MQA) take eight warps (session 18, CUDA-graph GPU time, MQA
+# which was the padded shared-memory rows (swizzled since: GQA reaches SDPA's ~4.4).
+# Two row warps at head dim 64 (MQA) take eight warps (CUDA-graph GPU time, MQA
 # 32/1: 128 x 8192 75.1 -> 66.4 us, 8 x 32768 29.4 -> 26.4, 128 x 1024 12.9 -> 11.7 against four);
 # at head dim 128 eight warps of 128 keys (205 KB, one CTA an SM) gained 5% at 128 x 8192 but
 # lost 17% at 1 x 131072 (29.0 -> 34.1 us), so four stay.
@@ -155,7 +156,7 @@ DECODE_TILES = {
 # Short caches in grids several CTAs an SM deep (_config.decode_config's rule): one row warp at
 # head dim 64 takes 64-key tiles of four warps (50 KB and half the registers a CTA, so four
 # CTAs an SM, each with less of a start and an end to wait out). Measured on the H200
-# (bench/NOTES.md, session 19; CUDA-graph GPU us, GQA 32/8, one query): 128 x 1024 67.9 ->
+# (bench/NOTES.md, Decoding; CUDA-graph GPU us, GQA 32/8, one query): 128 x 1024 67.9 ->
 # 65.6 (SDPA 64.6), 256 x 512 71.9 -> 67.0 (SDPA 66.1), 128 x 2048 124.6 -> 123.5 (SDPA 122.0);
 # four stages 3-8% slower. At head dim 128 (32 keys, two warps; 64 keys, two stages) and for
 # MQA's two row warps (64 keys, four or eight warps) none was faster.

@@ -153,6 +153,21 @@ __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); 
 
 constexpr float kLog2e = 1.4426950408889634f;  // 1 / ln(2)
 
+// Accumulators to 0: an m16n8 tile's four values per (row tile, column tile), or a float32
+// kernel's per (row, column slice).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void zero(float (&acc)[ROWS][COLS]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) acc[i][j] = 0.f;
+}
+template <int MT, int NT, int E>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][E]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) zero(acc[i]);
+}
+
 // Python sizes every launch's dynamic shared memory from the same layout the kernel uses;
 // a kernel calls this first, so that if the two ever drift it fails loudly instead of
 // reading past its allocation.
@@ -241,24 +256,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// D += A * B for one m16n8k16 tile, fp32 accumulation.
+// D += A * B for one m16n8k16 tile, fp32 accumulation; TYPE is the PTX name of T.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <>
-__device__ __forceinline__ void mma_16816<bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<fp16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define CUFLASH_DEFINE_MMA_16816(TYPE_TAG, TYPE)                                                    \
+    template <>                                                                                      \
+    __device__ __forceinline__ void mma_16816<TYPE_TAG>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                  \
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                        \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                \
+    }
+CUFLASH_DEFINE_MMA_16816(bf16, "bf16")
+CUFLASH_DEFINE_MMA_16816(fp16, "f16")
+#undef CUFLASH_DEFINE_MMA_16816
 
 }  // namespace cuflash

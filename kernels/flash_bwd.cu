@@ -119,7 +119,7 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
 // operands in shared memory. A is stored [m][k] (A_KMAJOR false) or [k][m] (true, read with
 // ldmatrix.trans); B is stored [n][k] (B_KMAJOR false) or [k][n] (true). The pointers are
 // already offset to the warp's first row / column; pitches are in elements. The k-loop stays
-// rolled: unrolled by 2-8 it ran 1-4% faster but spilled 12-52 bytes (bench/NOTES.md, b3).
+// rolled: unrolled by 2-8 it ran 1-4% faster but spilled 12-52 bytes (bench/NOTES.md, Backward).
 template <typename T, int MT, int NT, int KSTEPS, bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* a, int a_pitch,
                                           const T* b, int b_pitch, int lane) {
@@ -151,16 +151,6 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* a, i
             }
         }
     }
-}
-
-template <int MT, int NT>
-__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 }
 
 template <int HD, int HDV, int BR, int BC>
@@ -239,13 +229,11 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
     const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
     const float *gLse = in.lse2, *gD = in.delta;
-    const int n_k_tiles = tiles_of(nk, BC);
 
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+    for (ItemWalk<VARLEN, false> walk(tiles_of(nk, BC)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int key_tile = walk.tile();
         const i64 j0 = (i64)key_tile * BC;
 
         // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
@@ -276,8 +264,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         };
 
         if (tiles.count > 0) {
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, j0, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, j0, nk, p.dv, tid);
+            load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK, sV, gK, gV, p, j0, nk, tid);
             load_query_tile(tiles.tile(0), 0);
             cp_async_commit();
         }
@@ -477,13 +464,11 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     const i64 nq = g.nq, nk = g.nk;
     const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
     const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
-    const int n_q_tiles = tiles_of(nq, BR);
 
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
         const Band band = g.band<CAUSAL>(p);
@@ -504,17 +489,13 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
         const float scale = (float)p.scale;
 
         float acc_dq[HD / 8][4];
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
+        zero(acc_dq);
 
         if (n_tiles > 0) {
             load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
             load_tile_async<BR, HDV, L::do_pitch, NT>(sdO, gdO, b.do_row_stride, q0, nq, p.dv, tid);
             const i64 k_first = (i64)tiles.tile(0) * BC;
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
+            load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK, sV, gK, gV, p, k_first, nk, tid);
             cp_async_commit();
         }
         for (int t = 0; t < n_tiles; ++t) {
@@ -523,8 +504,8 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
             if (t + 1 < n_tiles) {
                 const int stage = (t + 1) & 1;
                 const i64 k_next = (i64)tiles.tile(t + 1) * BC;
-                load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride, k_next, nk, p.d, tid);
-                load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride, k_next, nk, p.dv, tid);
+                load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK + stage * L::k_elems, sV + stage * L::v_elems,
+                                                                       gK, gV, p, k_next, nk, tid);
             }
             cp_async_commit();
             const T* cK = sK + (t & 1) * L::k_elems;
@@ -534,10 +515,8 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
 
             // -- S = Q K^T and dP = dO V^T, this warp's 16 queries against BC keys --
             float acc_s[BC / 8][4], acc_dp[BC / 8][4];
-#pragma unroll
-            for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[n][e] = acc_dp[n][e] = 0.f;
+            zero(acc_s);
+            zero(acc_dp);
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 u32 a[4];

@@ -59,25 +59,18 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
     const float *gQ = in.q, *gdO = in.dout;
     const Band band = g.band<CAUSAL>(p);
-    const int n_k_tiles = tiles_of(nk, BK);
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+    for (ItemWalk<VARLEN, false> walk(tiles_of(nk, BK)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int key_tile = walk.tile();
         const i64 j0 = (i64)key_tile * BK;
         load_rows_f32(sK, in.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
         load_rows_f32(sV, in.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
         const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, j0, BK, 32, nq, nk);
         const float scale = (float)p.scale;
         float acc_dk[KPW][DT], acc_dv[KPW][DVT];
-#pragma unroll
-        for (int r = 0; r < KPW; ++r) {
-#pragma unroll
-            for (int u = 0; u < DT; ++u) acc_dk[r][u] = 0.f;
-#pragma unroll
-            for (int u = 0; u < DVT; ++u) acc_dv[r][u] = 0.f;
-        }
+        zero(acc_dk);
+        zero(acc_dv);
 
         for (int it = 0; it < tiles.count; ++it) {
             const i64 q0 = (i64)tiles.tile(it) * 32;
@@ -143,12 +136,10 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
     const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
     const float *gK = in.k, *gV = in.v;
     const Band band = g.band<CAUSAL>(p);
-    const int n_q_tiles = tiles_of(nq, BR);
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         load_rows_f32(sQ, in.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
         load_rows_f32(sdO, in.dout, b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);

@@ -24,7 +24,7 @@
 //     row r at chunk c ^ (r % 8), so the eight rows an ldmatrix phase reads hit eight different
 //     16-byte bank groups. Padded rows (HD + 8) did that too, but copies into rows that start
 //     off a 128-byte boundary make the L2 look up 1.5x the sectors: streaming the same 1 GB
-//     (H200, ncu; bench/NOTES.md, session 18) padded rows took 50.3 M lookups and 4.08 TB/s,
+//     (H200, ncu; bench/NOTES.md, Decoding) padded rows took 50.3 M lookups and 4.08 TB/s,
 //     swizzled ones 33.6 M (one a sector, as cuDNN's decode) and 4.40 TB/s.
 //
 // Sequence lengths are read from device memory (seqlens, clamped to [0, capacity]): the grid
@@ -354,10 +354,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
     const float scale_log2 = (float)p.scale_log2;
     float acc_o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    zero(acc_o);
     OnlineSoftmax<2> softmax;
     softmax.init();
 
@@ -415,10 +412,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
         // -- S = Q K^T over this warp's KW keys (raw scores, fp32) --
         float acc_s[KW / 8][4];
-#pragma unroll
-        for (int n = 0; n < KW / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
+        zero(acc_s);
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[4];

@@ -57,12 +57,10 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     const float* gK = static_cast<const float*>(p.k) + g.k;
     const float* gV = static_cast<const float*>(p.v) + g.v;
     const Band band = g.band<CAUSAL>(p);
-    const int n_q_tiles = tiles_of(nq, BR);
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
         const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC, nk);
@@ -71,10 +69,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
 
         load_tile_f32<NT>(sQ, gQ, p.q_row_stride, q0, nq, BR, d, d, d, tid);
         float acc[RPW][DVT];
-#pragma unroll
-        for (int i = 0; i < RPW; ++i)
-#pragma unroll
-            for (int t = 0; t < DVT; ++t) acc[i][t] = 0.f;
+        zero(acc);
         OnlineSoftmax<RPW> softmax;
         softmax.init();
 

@@ -327,7 +327,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
     const int n_tiles = tiles.count;
     // Warp-uniform to the compiler at head dims 128 and 256 (2-3% and 4-6% faster at seq >= 4k)
     // and in the persistent form at 64 (1-2%); the one-item form at 64 keeps tid / 128, with
-    // which it is 1-2% faster (bench/NOTES.md sessions 21 and 22).
+    // which it is 1-2% faster (bench/NOTES.md, Forward on Hopper (wgmma, TMA, persistence)).
     const int warpgroup = HD != 64 || PERSISTENT ? sm90::uniform_warpgroup(tid) : tid / 128, ct = tid % 128, warp = ct / 32;
     Sm90Consumer<K> c{p, tiles, band, sQ, sK, sV, bar, ring};
     c.warpgroup = warpgroup;
@@ -340,10 +340,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
     band.clean_key_tiles(c.warp_q0, 16, BC, g.nk, c.clean_first, c.clean_last);
 
     float acc_o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    zero(acc_o);
     OnlineSoftmax<2> softmax;
     softmax.init();
 
@@ -452,8 +449,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const int tid = threadIdx.x, warpgroup = HD != 64 || PERSISTENT ? sm90::uniform_warpgroup(tid) : tid / 128;  // as in consume
     // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
     // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at head dims
-    // up to 128 (at 256 level: session 21), not for varlen grids (level or slower at
-    // 16 x 12 x 4096 x 64 packed, session 16).
+    // up to 128 (at 256 level), not for varlen grids (level or slower at 16 x 12 x 4096 x 64
+    // packed: bench/NOTES.md, Packed batches (varlen)).
     const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1, kTileMajorForward);
     if (!PERSISTENT && cell.slice >= p.num_batch) return;
     if (tid == 0) {
@@ -554,10 +551,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         };
         // At head dims 64 and 128 a varlen CTA whose grid row covers its sequence has one item:
         // it runs it outside the item loop, on the plain thread index (at 64, 16 x 12 x 4096
-        // causal: 1217-1244 -> 1190-1223 us, session 16). Inside the loop, above head dim 64,
-        // the index must be opaque (slice.cuh): without it those forms spill 732-1228 bytes (at
-        // 256 the one-item copy alongside spills 24-96 in the cp.async forms); at 64 the opaque
-        // index cost the loop 54 of its 840 instructions and nothing spills without it.
+        // causal: 1217-1244 -> 1190-1223 us; bench/NOTES.md, Packed batches (varlen)). Inside the
+        // loop, above head dim 64, the index must be opaque (slice.cuh): without it those forms
+        // spill 732-1228 bytes (at 256 the one-item copy alongside spills 24-96 in the cp.async
+        // forms); at 64 the opaque index cost the loop 54 of its 840 instructions and nothing
+        // spills without it.
         if (VARLEN && !PERSISTENT && HD <= 128 && first_item<VARLEN>(cell.tile) + item_step<VARLEN>() >= n_q_tiles) {
             if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, 0, w)) run_item(tid);
         } else {
