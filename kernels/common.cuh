@@ -25,8 +25,17 @@ constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python
 // integer value of an address constant), which NVRTC 12.9 and 13.5 take in a static_assert.
 #define CUFLASH_OFFSETOF(type, member) __INTADDR__(&((type*)0)->member)
 
+// Each member of a parameter block at the word cuflash/_params.py packs it in: a define from
+// _variants.kernel_defines() lists CUFLASH_PARAM_WORD(name, word) for every member of a block,
+// expanded where CUFLASH_PARAM_BLOCK names the struct (#define, the list, #undef).
+#define CUFLASH_STRINGIFY(x) CUFLASH_STRINGIFY_(x)
+#define CUFLASH_STRINGIFY_(x) #x
+#define CUFLASH_PARAM_WORD(name, word)                                                    \
+    static_assert(CUFLASH_OFFSETOF(CUFLASH_PARAM_BLOCK, name) == 8 * (word),              \
+                  CUFLASH_STRINGIFY(CUFLASH_PARAM_BLOCK) "::" #name " against cuflash/_params.py");
+
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
-// without caring about padding rules; cuflash/_params.py lays it out (FWD_PARAM_FORMAT), and the
+// without caring about padding rules; cuflash/_params.py lays it out (FWD_PARAM_FIELDS), and the
 // static_asserts after BwdParams hold the two in step.
 struct FwdParams {
     const void* q;
@@ -101,9 +110,15 @@ struct BwdParams {
     i64 head_group;
 };
 
-// The blocks as cuflash/_params.py lays them out (FWD_PARAM_FORMAT, BWD_PARAM_FORMAT: their sizes
-// and the words a call writes, passed by _variants.kernel_defines()): a member added or
-// dropped on one side only, or one that moves the words a call writes, fails every build here.
+// The blocks as cuflash/_params.py lays them out (FWD_PARAM_FIELDS, BWD_PARAM_FIELDS: each
+// member's word, their sizes and the words a call writes): a member renamed, moved, added or
+// dropped on one side only fails every build here.
+#define CUFLASH_PARAM_BLOCK FwdParams
+CUFLASH_FWD_PARAM_WORDS
+#undef CUFLASH_PARAM_BLOCK
+#define CUFLASH_PARAM_BLOCK BwdParams
+CUFLASH_BWD_PARAM_WORDS
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(FwdParams) == CUFLASH_FWD_PARAM_BYTES, "FwdParams against _params.FWD_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(FwdParams, nq) == 8 * CUFLASH_FWD_POINTER_WORDS,
               "q .. m, the pointers a call writes, are the first words");

@@ -104,20 +104,15 @@ struct DecodeCombineParams {
 };
 
 // Both blocks as cuflash/_params.py lays them out, member by member (DECODE_PARAM_FIELDS,
-// COMBINE_PARAM_FIELDS): kernel_defines() passes each member's word as
-// CUFLASH_PARAM_WORD(name, word), so a member renamed, moved, added or dropped on one side
-// only fails the build here.
-#define CUFLASH_PARAM_WORD(name, word)                                                \
-    static_assert(CUFLASH_OFFSETOF(DecodeParams, name) == 8 * (word),                 \
-                  "DecodeParams::" #name " against _params.DECODE_PARAM_FIELDS");
+// COMBINE_PARAM_FIELDS; CUFLASH_PARAM_WORD in common.cuh), so a member renamed, moved, added
+// or dropped on one side only fails the build here.
+#define CUFLASH_PARAM_BLOCK DecodeParams
 CUFLASH_DECODE_PARAM_WORDS
-#undef CUFLASH_PARAM_WORD
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAM_BYTES, "DecodeParams against _params.DECODE_PARAM_FIELDS");
-#define CUFLASH_PARAM_WORD(name, word)                                                \
-    static_assert(CUFLASH_OFFSETOF(DecodeCombineParams, name) == 8 * (word),          \
-                  "DecodeCombineParams::" #name " against _params.COMBINE_PARAM_FIELDS");
+#define CUFLASH_PARAM_BLOCK DecodeCombineParams
 CUFLASH_COMBINE_PARAM_WORDS
-#undef CUFLASH_PARAM_WORD
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(DecodeCombineParams) == CUFLASH_COMBINE_PARAM_BYTES,
               "DecodeCombineParams against _params.COMBINE_PARAM_FIELDS");
 

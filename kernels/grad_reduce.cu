@@ -15,6 +15,10 @@ struct GradReduceParams {
     i64 inner;         // elements of one slice: a multiple of 4 (head dims are multiples of 8)
     i64 outer;
 };
+// As cuflash/_params.py lays it out (REDUCE_PARAM_FIELDS), member by member (common.cuh).
+#define CUFLASH_PARAM_BLOCK GradReduceParams
+CUFLASH_REDUCE_PARAM_WORDS
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(GradReduceParams) == CUFLASH_REDUCE_PARAM_BYTES, "against _params.REDUCE_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(GradReduceParams, groups) == 8 * CUFLASH_REDUCE_POINTER_WORDS,
               "src, dst, the pointers a call writes, are the first words");

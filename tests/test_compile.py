@@ -97,7 +97,7 @@ def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
 
 def test_kernels_check_the_parameter_blocks_python_packs(monkeypatch):
     """A parameter block packed otherwise than the kernels lay it out stops the build: its size,
-    the words a call writes (the pointers first, the varlen pair), and each decoding member."""
+    the words a call writes (the pointers first, the varlen pair), and each member's word."""
     from cuflash import _params
 
     forward = _config.forward_config("bfloat16", 64, 64, False)
@@ -110,12 +110,17 @@ def test_kernels_check_the_parameter_blocks_python_packs(monkeypatch):
             patch.setattr(_params, name, value)
             with pytest.raises(RuntimeError, match=message):
                 _loader.compile_offline(forward.source, [forward.name_expression], "sm_80")
-    fields = list(_params.DECODE_PARAM_FIELDS)
-    fields[11], fields[12] = fields[12], fields[11]  # kv_heads and group
-    with monkeypatch.context() as patch:
-        patch.setattr(_params, "DECODE_PARAM_FIELDS", tuple(fields))
-        with pytest.raises(RuntimeError, match="DecodeParams::kv_heads against _params.DECODE_PARAM_FIELDS"):
-            _loader.compile_offline(decode.source, [decode.name_expression], "sm_80")
+    for name, variant, first, message in (
+            ("DECODE_PARAM_FIELDS", decode, "kv_heads", "DecodeParams::kv_heads against cuflash/_params.py"),
+            ("FWD_PARAM_FIELDS", forward, "scale", "FwdParams::scale against cuflash/_params.py"),
+            ("BWD_PARAM_FIELDS", forward, "do_row_stride", "BwdParams::do_row_stride against cuflash/_params.py")):
+        fields = list(getattr(_params, name))  # a member swapped with the next: both move
+        at = [field[0] for field in fields].index(first)
+        fields[at], fields[at + 1] = fields[at + 1], fields[at]
+        with monkeypatch.context() as patch:
+            patch.setattr(_params, name, tuple(fields))
+            with pytest.raises(RuntimeError, match=message):
+                _loader.compile_offline(variant.source, [variant.name_expression], "sm_80")
 
 
 class _BrokenVariant:
