@@ -1,14 +1,15 @@
 """The parameter blocks: how Python packs each struct a kernel takes.
 
-Every member is 8 bytes: pointers ``Q``, integers ``q``, doubles ``d`` (struct.pack formats).
-The kernels check each block against these layouts when they are built: ``_variants.
-kernel_defines()`` passes the blocks' sizes, the words a call writes and (for the decoding
-blocks) each member's word as defines, and kernels/common.cuh, grad_reduce.cu and
-flash_decode.cu static_assert them, so a member renamed, moved, added or dropped on one side
-stops the build. The plans (_launch.py, _forward.py, _backward.py, _decode.py) pack the
-blocks; this module imports nothing but the standard library and cuflash/_constants.py, so the
-defines need neither of them. Read each name through this module at the time of use
-(``_params.FWD_PARAM_FORMAT``).
+Each block is listed member by member, in the struct's order, as (name, kind) or (name, kind,
+count) for an array: every member is 8 bytes, pointers ``Q``, integers ``q``, doubles ``d``
+(struct.pack formats). The kernels check each block against these lists when they are built:
+``_variants.kernel_defines()`` passes each block's size, the words a call writes and every
+member's word as defines, and kernels/common.cuh, grad_reduce.cu and flash_decode.cu
+static_assert them, so a member renamed, moved, added or dropped on one side stops the build.
+The plans (_launch.py, _forward.py, _backward.py, _decode.py) pack
+the blocks; this module imports nothing but the standard library
+and cuflash/_constants.py, so the defines need neither of them. Read each name through this
+module at the time of use (``_params.FWD_PARAM_FORMAT``).
 """
 
 from __future__ import annotations
@@ -17,28 +18,30 @@ import struct
 
 from ._constants import MAX_LEAD_DIMS
 
-# Field order of struct FwdParams in kernels/common.cuh (every member 8 bytes; the six pointers
-# first, so a call rewrites words 0-5).
-FWD_PARAM_FORMAT = "<" + "".join((
-    "Q" * 6,                    # q, k, v, o, l, m
-    "q" * 4 + "q",              # nq, nk, d, dv; num_batch
-    "q" * (4 * MAX_LEAD_DIMS),  # lead_shape, q/k/v_lead_stride
-    "q" * 3 + "q",              # q/k/v_row_stride; kv_group
-    "dd",                       # scale, scale_log2
-    "qq",                       # window_left, window_right
-    "QQQ",                      # tile_counts, tile_lists, blocks
-    "qq" + "q" * 4,             # n_outer, list_stride; block_q, block_k, mask_tq, mask_tk
-    "q" * MAX_LEAD_DIMS,        # mask_lead_stride
-    "QQqq",                     # cu_seqlens_q, cu_seqlens_k; num_seqs, varlen_tiles
-))
-# The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
-CU_SEQLENS_WORD = struct.calcsize(FWD_PARAM_FORMAT[:-4]) // 8
+# struct FwdParams in kernels/common.cuh: the six pointers first, so a call rewrites words 0-5.
+FWD_PARAM_FIELDS = (
+    ("q", "Q"), ("k", "Q"), ("v", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
+    ("nq", "q"), ("nk", "q"), ("d", "q"), ("dv", "q"), ("num_batch", "q"),
+    ("lead_shape", "q", MAX_LEAD_DIMS), ("q_lead_stride", "q", MAX_LEAD_DIMS),
+    ("k_lead_stride", "q", MAX_LEAD_DIMS), ("v_lead_stride", "q", MAX_LEAD_DIMS),
+    ("q_row_stride", "q"), ("k_row_stride", "q"), ("v_row_stride", "q"), ("kv_group", "q"),
+    ("scale", "d"), ("scale_log2", "d"),
+    ("window_left", "q"), ("window_right", "q"),
+    ("tile_counts", "Q"), ("tile_lists", "Q"), ("blocks", "Q"),
+    ("n_outer", "q"), ("list_stride", "q"), ("block_q", "q"), ("block_k", "q"), ("mask_tq", "q"), ("mask_tk", "q"),
+    ("mask_lead_stride", "q", MAX_LEAD_DIMS),
+    ("cu_seqlens_q", "Q"), ("cu_seqlens_k", "Q"), ("num_seqs", "q"), ("varlen_tiles", "q"),
+)
 # struct BwdParams: the nine pointers first (words 0-8).
-BWD_PARAM_FORMAT = "<" + "Q" * 9 + "q" + "q" * (2 * MAX_LEAD_DIMS) + "qq" + "qq" + "q"
-# struct GradReduceParams in kernels/grad_reduce.cu: src, dst, groups, inner, outer.
-REDUCE_PARAM_FORMAT = "<QQqqq"
-# struct DecodeParams in kernels/flash_decode.cu, member by member (each 8 bytes); the kernel
-# static_asserts each member's word as _variants.kernel_defines() passes it from here.
+BWD_PARAM_FIELDS = (
+    ("dout", "Q"), ("out", "Q"), ("l", "Q"), ("m", "Q"), ("lse2", "Q"), ("delta", "Q"),
+    ("dq_acc", "Q"), ("dk_acc", "Q"), ("dv_acc", "Q"),
+    ("nq_pad", "q"), ("do_lead_stride", "q", MAX_LEAD_DIMS), ("o_lead_stride", "q", MAX_LEAD_DIMS),
+    ("do_row_stride", "q"), ("o_row_stride", "q"), ("dkv_in_dtype", "q"), ("zero_dq_acc", "q"), ("head_group", "q"),
+)
+# struct GradReduceParams in kernels/grad_reduce.cu.
+REDUCE_PARAM_FIELDS = (("src", "Q"), ("dst", "Q"), ("groups", "q"), ("inner", "q"), ("outer", "q"))
+# struct DecodeParams in kernels/flash_decode.cu.
 DECODE_PARAM_FIELDS = (
     ("q", "Q"), ("k", "Q"), ("v", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
     ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("page_table", "Q"), ("seqlens", "Q"),
@@ -52,6 +55,7 @@ DECODE_PARAM_FIELDS = (
     ("scale", "d"), ("scale_log2", "d"),
     ("window_left", "q"), ("window_right", "q"),
 )
+# struct DecodeCombineParams in kernels/flash_decode.cu.
 COMBINE_PARAM_FIELDS = (
     ("ws_o", "Q"), ("ws_l", "Q"), ("ws_m", "Q"), ("o", "Q"), ("l", "Q"), ("m", "Q"),
     ("total_rows", "q"), ("dv", "q"), ("num_splits", "q"), ("scale", "d"), ("scale_log2", "d"),
@@ -59,8 +63,26 @@ COMBINE_PARAM_FIELDS = (
 
 
 def fields_format(fields) -> str:
-    """The struct.pack format of a block packed by name: ((name, kind), ...)."""
-    return "<" + "".join(kind for _, kind in fields)
+    """The struct.pack format of a block: ((name, kind[, count]), ...)."""
+    return "<" + "".join(member[1] * _count(member) for member in fields)
+
+
+def _count(member) -> int:
+    """The 8-byte words of a member: its count, for an array."""
+    return member[2] if len(member) > 2 else 1
+
+
+def _member_offsets(fields):
+    """(name, word) of each member of a block: its first 8-byte word."""
+    word = 0
+    for member in fields:
+        yield member[0], word
+        word += _count(member)
+
+
+def member_word(fields, name: str) -> int:
+    """The first word of member ``name`` of a block."""
+    return dict(_member_offsets(fields))[name]
 
 
 def pointer_words(param_format: str) -> int:
@@ -70,6 +92,14 @@ def pointer_words(param_format: str) -> int:
 
 
 def member_words(fields) -> str:
-    """CUFLASH_PARAM_WORD(name, word) for each (name, kind) member of a block packed by name, one
-    8-byte word each: flash_decode.cu expands it into a static_assert each."""
-    return " ".join(f"CUFLASH_PARAM_WORD({name}, {word})" for word, (name, _) in enumerate(fields))
+    """CUFLASH_PARAM_WORD(name, word) for each member of a block, its first 8-byte word: the
+    kernels expand it into a static_assert each."""
+    return " ".join(f"CUFLASH_PARAM_WORD({name}, {word})" for name, word in _member_offsets(fields))
+
+
+# The blocks as struct.pack formats: what _plan.py packs the forward, backward and reduce with.
+FWD_PARAM_FORMAT = fields_format(FWD_PARAM_FIELDS)
+BWD_PARAM_FORMAT = fields_format(BWD_PARAM_FIELDS)
+REDUCE_PARAM_FORMAT = fields_format(REDUCE_PARAM_FIELDS)
+# The word of cu_seqlens_q (cu_seqlens_k follows): a varlen call writes its two pointers there.
+CU_SEQLENS_WORD = member_word(FWD_PARAM_FIELDS, "cu_seqlens_q")

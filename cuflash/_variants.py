@@ -1,13 +1,21 @@
 """The kernel variants: one frozen dataclass per CUDA kernel template, what a launch of it is.
 
-Each class names its source file and template, and builds from its fields the variant's key
-(``fwd_sm90_bf16_d128_bc128_s3_overlap_tma_persistent_causal``, the cache and report name) and its
-name expression (the template instance NVRTC compiles). The shared memory of each 16-bit
-variant is computed here and passed as its last template argument; the kernel's own layout
-(``FwdSmemLayout`` in kernels/flash_fwd.cu, ...) must come to the same size (a static_assert,
-so a drift fails the build) and the kernel traps if a launch gives it less. The numbers every
-variant is built with (cuflash/_constants.py, and the Hopper kernels' fixed CTA shapes below)
-reach the kernels as defines from :func:`kernel_defines`.
+Each class names its source file, its kernel template and that template's traits struct, and
+builds from its fields both the variant's key (``fwd_sm90_bf16_d128_bc128_s3_overlap_tma_persistent_causal``,
+the cache and report name) and its name expression (the template instance NVRTC compiles):
+``cuflash::flash_fwd_kernel<cuflash::FwdTraits</*dtype*/ cuflash::bf16, /*head_dim*/ 128, ...>>``,
+one traits argument for each field, in the fields' order and under their names (the traits
+struct in kernels/ declares its parameters with the same names: tests/test_variants.py holds
+the two lists together).
+
+Shared memory is sized here, once: a kernel whose layout is fixed by its fields gets its size
+as the traits' last argument, ``smem_bytes``, which its layout struct (``FwdSmemLayout`` in
+kernels/flash_fwd.cu, ...) static_asserts it comes to, and it traps if a launch gives it less;
+the float32 kernels' rows are d and dv wide, so their size follows the call (``smem_bytes(d,
+dv)``) and the kernel checks it at run time. Python is the source because it must size every
+launch on a machine without a GPU, and a compiled kernel cannot hand a number back to the host
+without a device read. The numbers every variant is built with (cuflash/_constants.py, and the
+Hopper kernels' fixed CTA shapes below) reach the kernels as defines from :func:`kernel_defines`.
 
 Which variant runs for which arguments is chosen in cuflash/_config.py, from the tile tables in
 cuflash/_tiles.py; nothing here chooses.
@@ -25,15 +33,12 @@ from . import _constants, _params, _tma
 _CPP_TYPE = {"float16": "cuflash::fp16", "bfloat16": "cuflash::bf16", "float32": "float"}
 
 
-def _instance(kernel: str, *args) -> str:
-    """The name expression of an instance of a kernel template: a dtype as its C++ type, a bool
-    as true / false, a number as it is."""
-    def argument(value):
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return _CPP_TYPE[value] if isinstance(value, str) else str(value)
-
-    return f"cuflash::{kernel}<{', '.join(map(argument, args))}>"
+def _cpp_value(value) -> str:
+    """A traits argument as C++ spells it: a dtype as its C++ type, a bool as true / false, a
+    number as it is."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _CPP_TYPE[value] if isinstance(value, str) else str(value)
 
 
 # Words and prefixes of variant keys: the dtype's short name, and a short prefix for each
@@ -46,15 +51,25 @@ _KEY_PREFIX = {"head_dim": "d", "head_dim_v": "dv", "block_rows": "br", "block_c
 
 
 class _Launch:
-    """What every kernel variant shares: a CTA of ``warps`` warps, and a key built from its
-    fields, e.g. ``fwd_sm90_bf16_d128_bc128_s3_overlap_tma_persistent_causal``."""
+    """What every kernel variant shares: a CTA of ``warps`` warps, a key and a name expression
+    built from its fields, and its shared memory."""
 
     warps: int
     key_prefix: str  # what kind of kernel: fwd, fwd_sm90, bwd_dq, ...
+    source: str  # its file in kernels/
+    kernel: str  # its kernel template there, which takes one traits struct ...
+    traits: str  # ... this one: a parameter for each field, then smem_bytes where the size is fixed
+    # The dynamic shared memory of a kernel whose layout its fields fix (bytes), else None:
+    # overridden by a property where there is one.
+    fixed_smem = None
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+        """The dynamic shared memory of a launch at head dims d and dv (bytes)."""
+        return self.fixed_smem or 0
 
     @property
     def key(self) -> str:
@@ -66,6 +81,18 @@ class _Launch:
             elif field.name != "dtype":
                 numbers.append(f"{_KEY_PREFIX[field.name]}{value}")
         return "_".join([self.key_prefix, _DTYPE_WORD[self.dtype], *numbers, *words])
+
+    def traits_arguments(self) -> list:
+        """[(name, value)] of the traits struct's parameters: the fields, then smem_bytes."""
+        arguments = [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]
+        if self.fixed_smem is not None:
+            arguments.append(("smem_bytes", self.fixed_smem))
+        return arguments
+
+    @property
+    def name_expression(self) -> str:
+        arguments = ", ".join(f"/*{name}*/ {_cpp_value(value)}" for name, value in self.traits_arguments())
+        return f"cuflash::{self.kernel}<cuflash::{self.traits}<{arguments}>>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +112,7 @@ class TensorCoreForward(_Launch):
     varlen: bool = False  # a packed variable-length batch (FwdParams::cu_seqlens_q, kernels/slice.cuh)
 
     source = "flash_fwd.cu"
+    kernel, traits = "flash_fwd_kernel", "FwdTraits"
     key_prefix = "fwd"
 
     # The block-sparse 256 x 32 forms at head dim 128 sat at the default budget (48 bytes on
@@ -95,18 +123,13 @@ class TensorCoreForward(_Launch):
     def spill_allowance(self) -> int:
         return 64 if self.sparse and self.head_dim == 128 else 0
 
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+    @property
+    def fixed_smem(self) -> int:  # FwdSmemLayout: Q (O is staged there too), two stages of K and V
         q_pitch = max(self.head_dim, self.head_dim_v) + _constants.SMEM_PAD
         k_pitch = self.head_dim + _constants.SMEM_PAD
         v_pitch = self.head_dim_v + _constants.SMEM_PAD
         elems = self.block_rows * q_pitch + 2 * self.block_cols * (k_pitch + v_pitch)
         return 2 * elems
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_fwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
-                         self.block_cols, self.warps, self.min_blocks, self.causal, self.qk_unroll, self.sparse,
-                         self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +144,7 @@ class Float32Forward(_Launch):
     varlen: bool = False
 
     source = "flash_fwd_f32.cu"
+    kernel, traits = "flash_fwd_f32_kernel", "Fwd32Traits"
     key_prefix = "fwd"
     dtype = "float32"
     block_cols = 32  # one key per lane
@@ -132,11 +156,6 @@ class Float32Forward(_Launch):
     def smem_bytes(self, d: int, dv: int = 0) -> int:
         elems = self.block_rows * d + self.block_cols * (d + 1) + self.block_cols * 32 * self.value_tiles
         return 4 * elems
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_fwd_f32_kernel", self.value_tiles, self.warps, self.rows_per_warp, self.causal,
-                         self.sparse, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +177,7 @@ class HopperForward(_Launch):
     varlen: bool = False  # a packed variable-length batch (persistent: items of any sequence and head)
 
     source = "flash_fwd_sm90.cu"
+    kernel, traits = "flash_fwd_sm90_kernel", "Fwd90Traits"
     key_prefix = "fwd_sm90"
     block_rows = 128  # both, like HopperBackward's, reach the kernel through kernel_defines()
     warps = 12
@@ -168,16 +188,11 @@ class HopperForward(_Launch):
     def head_dim_v(self) -> int:
         return self.head_dim
 
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+    @property
+    def fixed_smem(self) -> int:
         tiles = 2 * self.head_dim * (self.block_rows + 2 * self.stages * self.block_cols)
         barriers = 8 * (2 + 4 * self.stages)
         return tiles + barriers + 1024  # Sm90SmemLayout: 1024 of slack to align the tiles
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_fwd_sm90_kernel", self.dtype, self.head_dim, self.block_cols, self.stages,
-                         self.overlap, self.pingpong, self.tma, self.persistent, self.causal, self.sparse,
-                         self.varlen, self.smem_bytes())
 
 
 # ---- backward -----------------------------------------------------------------------------
@@ -192,10 +207,8 @@ class BackwardPreprocess(_Launch):
     varlen: bool = False
 
     source = "flash_bwd.cu"
+    kernel, traits = "flash_bwd_preprocess", "BwdPreTraits"
     key_prefix = "bwd_pre"
-
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
-        return 0
 
     def rows_a_cta(self, dv: int) -> int:
         """Rows a CTA takes at once: 16-bit rows are read by ``width`` lanes in 16-byte vectors
@@ -207,10 +220,6 @@ class BackwardPreprocess(_Launch):
         while width < 32 and width * 8 < dv:
             width *= 2
         return self.warps * (32 // width)
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_bwd_preprocess", self.dtype, self.warps, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,21 +249,16 @@ class TensorCoreBackward(_Launch):
     varlen: bool = False
 
     source = "flash_bwd.cu"
+    kernel, traits = "flash_bwd_kernel", "BwdTraits"
     key_prefix = "bwd"
 
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+    @property
+    def fixed_smem(self) -> int:  # BwdSmemLayout
         k_pitch, v_pitch = self.head_dim + _constants.SMEM_PAD, self.head_dim_v + _constants.SMEM_PAD
         br, bc = self.block_rows, self.block_cols
         s_pitch = bc + _constants.SMEM_PAD
         elems = bc * k_pitch + bc * v_pitch + 2 * br * k_pitch + 2 * br * v_pitch + 2 * br * s_pitch
         return 4 * 3 * 2 * br + 2 * elems  # (m, log2 l) and D per query row, two stages
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_bwd_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
-                         self.block_cols, self.warps, self.min_blocks, self.causal, self.do_dk, self.do_dv,
-                         self.atomic_dq, self.warps_s_rows, self.warps_kv_rows, self.warps_dq_rows, self.sparse,
-                         self.varlen, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,18 +277,14 @@ class TensorCoreBackwardDq(_Launch):
     varlen: bool = False
 
     source = "flash_bwd.cu"
+    kernel, traits = "flash_bwd_dq_kernel", "BwdDqTraits"
     key_prefix = "bwd_dq"
 
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+    @property
+    def fixed_smem(self) -> int:  # BwdDqSmemLayout
         k_pitch, v_pitch = self.head_dim + _constants.SMEM_PAD, self.head_dim_v + _constants.SMEM_PAD
         br, bc = self.block_rows, self.block_cols
         return 2 * (br * k_pitch + br * v_pitch + 2 * bc * k_pitch + 2 * bc * v_pitch)
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_bwd_dq_kernel", self.dtype, self.head_dim, self.head_dim_v, self.block_rows,
-                         self.block_cols, self.warps, self.min_blocks, self.causal, self.sparse, self.varlen,
-                         self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +299,7 @@ class Float32BackwardDkDv(_Launch):
     varlen: bool = False
 
     source = "flash_bwd_f32.cu"
+    kernel, traits = "flash_bwd_dkdv_f32_kernel", "BwdDkDv32Traits"
     key_prefix = "bwd_dkdv"
     dtype = "float32"
     block_rows = 32  # queries per tile walked: one per lane
@@ -310,11 +311,6 @@ class Float32BackwardDkDv(_Launch):
     def smem_bytes(self, d: int, dv: int) -> int:
         bk, pitch = self.block_cols, 32 * self.dim_tiles + 1
         return 4 * (bk * d + bk * dv + 2 * 32 * pitch)
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_bwd_dkdv_f32_kernel", self.dim_tiles, self.dim_tiles, self.warps,
-                         self.keys_per_warp, self.causal, self.sparse, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +325,7 @@ class Float32BackwardDq(_Launch):
     varlen: bool = False
 
     source = "flash_bwd_f32.cu"
+    kernel, traits = "flash_bwd_dq_f32_kernel", "BwdDq32Traits"
     key_prefix = "bwd_dq"
     dtype = "float32"
     block_cols = 32  # keys per tile walked: one per lane
@@ -340,11 +337,6 @@ class Float32BackwardDq(_Launch):
     def smem_bytes(self, d: int, dv: int) -> int:
         br = self.block_rows
         return 4 * (br * d + br * dv + 32 * (32 * self.dim_tiles + 1) + 32 * (dv + 1))
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_bwd_dq_f32_kernel", self.dim_tiles, self.warps, self.rows_per_warp, self.causal,
-                         self.sparse, self.varlen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +362,7 @@ class HopperBackward(_Launch):
     persistent: bool = False  # one CTA an SM walks (key tile, slice) items, loading the next K, V early
 
     source = "flash_bwd_sm90.cu"
+    kernel, traits = "flash_bwd_sm90_kernel", "Bwd90Traits"
     key_prefix = "bwd_sm90"
     block_rows = 64
     block_cols = 128
@@ -387,19 +380,14 @@ class HopperBackward(_Launch):
     def head_dim_v(self) -> int:
         return self.head_dim
 
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+    @property
+    def fixed_smem(self) -> int:  # Bwd90SmemLayout
         hd, br, bc = self.head_dim, self.block_rows, self.block_cols
         kv_buffers = 2 if self.persistent else 1  # persistent: the next item's K, V load early
         tiles = 2 * (2 * kv_buffers * bc * hd + 2 * self.stages * br * hd + 2 * bc * br)  # K, V; Q, dO a stage; dS^T twice
         dq_tile = 4 * br * hd  # fp32, atomic dQ's tile before its bulk reduction
         barriers = 1 + 2 * self.stages + (3 if self.persistent else 0)
         return tiles + self.stages * 3 * br * 4 + dq_tile + 8 * barriers + 1024
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_bwd_sm90_kernel", self.dtype, self.head_dim, self.stages, self.atomic_dq,
-                         self.causal, self.sparse, self.varlen, self.grouped, self.tma, self.persistent,
-                         self.smem_bytes())
 
 
 class BackwardPlan(typing.NamedTuple):
@@ -418,16 +406,9 @@ class GradientReduce(_Launch):
     warps: int = 8
 
     source = "grad_reduce.cu"
-    elements_per_thread = 4  # one float4 a step
-
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
-        return 0
-
+    kernel, traits = "grad_reduce_kernel", "GradReduceTraits"
     key_prefix = "grad_reduce"
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("grad_reduce_kernel", self.dtype, self.warps)
+    elements_per_thread = 4  # one float4 a step
 
 
 # ---- decoding: split-KV with grouped heads packed (kernels/flash_decode.cu) -----------------------
@@ -449,12 +430,15 @@ class SplitKvDecode(_Launch):
     row_warps: int  # 16-row tiles a CTA
 
     source = "flash_decode.cu"
+    kernel, traits = "flash_decode_kernel", "DecodeTraits"
+    key_prefix = "decode"
 
     @property
     def block_rows(self) -> int:
         return _constants.DECODE_ROW_TILE * self.row_warps
 
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
+    @property
+    def fixed_smem(self) -> int:
         """DecodeSmemLayout::bytes: Q, K and V stages (16-bit, unpadded swizzled rows), the page
         slots (paged: kPageSlots tiles of two pointers a key group, the first rows of K and V;
         dense: the stages plus one of 4 bytes a group, unused), and a row's bytes of slack for
@@ -464,13 +448,6 @@ class SplitKvDecode(_Launch):
         groups = self.block_cols // _constants.DECODE_PAGE_GROUP
         slots = 16 * _constants.DECODE_PAGE_SLOTS * groups if self.paged else 4 * (self.stages + 1) * groups
         return tiles + slots + row_bytes
-
-    key_prefix = "decode"
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_decode_kernel", self.dtype, self.head_dim, self.block_cols, self.warps, self.stages,
-                         self.paged, self.row_warps, self.smem_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,15 +459,8 @@ class DecodeCombine(_Launch):
     warps: int = 4
 
     source = "flash_decode.cu"
-
-    def smem_bytes(self, d: int = 0, dv: int = 0) -> int:
-        return 0
-
+    kernel, traits = "flash_decode_combine_kernel", "DecodeCombineTraits"
     key_prefix = "decode_combine"
-
-    @property
-    def name_expression(self) -> str:
-        return _instance("flash_decode_combine_kernel", self.dtype, self.warps)
 
 
 def kernel_defines() -> dict:
@@ -515,11 +485,14 @@ def kernel_defines() -> dict:
         "CUFLASH_MAX_DECODE_SPLITS": _constants.MAX_DECODE_SPLITS,
         "CUFLASH_FWD_PARAM_BYTES": struct.calcsize(_params.FWD_PARAM_FORMAT),
         "CUFLASH_FWD_POINTER_WORDS": _params.pointer_words(_params.FWD_PARAM_FORMAT),
+        "CUFLASH_FWD_PARAM_WORDS": _params.member_words(_params.FWD_PARAM_FIELDS),
         "CUFLASH_CU_SEQLENS_WORD": _params.CU_SEQLENS_WORD,
         "CUFLASH_BWD_PARAM_BYTES": struct.calcsize(_params.BWD_PARAM_FORMAT),
         "CUFLASH_BWD_POINTER_WORDS": _params.pointer_words(_params.BWD_PARAM_FORMAT),
+        "CUFLASH_BWD_PARAM_WORDS": _params.member_words(_params.BWD_PARAM_FIELDS),
         "CUFLASH_REDUCE_PARAM_BYTES": struct.calcsize(_params.REDUCE_PARAM_FORMAT),
         "CUFLASH_REDUCE_POINTER_WORDS": _params.pointer_words(_params.REDUCE_PARAM_FORMAT),
+        "CUFLASH_REDUCE_PARAM_WORDS": _params.member_words(_params.REDUCE_PARAM_FIELDS),
         "CUFLASH_DECODE_PARAM_BYTES": struct.calcsize(_params.fields_format(_params.DECODE_PARAM_FIELDS)),
         "CUFLASH_DECODE_PARAM_WORDS": _params.member_words(_params.DECODE_PARAM_FIELDS),
         "CUFLASH_COMBINE_PARAM_BYTES": struct.calcsize(_params.fields_format(_params.COMBINE_PARAM_FIELDS)),

@@ -7,7 +7,7 @@ Prints registers, stack frame and spills per variant and architecture; exits non
 compile error or on a variant that spills more than SPILL_BUDGET_BYTES (stores), since every
 listed variant is one the dispatcher runs. The budget is not zero since the sliding-window band
 went into every kernel: the register-bound 16-bit forwards (two 16-row tiles a warp) now spill
-8-32 bytes around the mask; bench/NOTES.md tracks it. It also exits non-zero on a variant whose
+8-32 bytes around the mask (bench/NOTES.md, Forward (mma.sync)). It also exits non-zero on a variant whose
 wgmma instructions ptxas serializes (notes C7514, C7518, C7520), and lists its other wgmma notes.
 
 --warm compiles every variant for the GPU at hand, in parallel processes, into CuPy's disk

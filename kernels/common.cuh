@@ -25,8 +25,17 @@ constexpr int kMaxLead = CUFLASH_MAX_LEAD;  // leading (batch) dims after Python
 // integer value of an address constant), which NVRTC 12.9 and 13.5 take in a static_assert.
 #define CUFLASH_OFFSETOF(type, member) __INTADDR__(&((type*)0)->member)
 
+// Each member of a parameter block at the word cuflash/_params.py packs it in: a define from
+// _variants.kernel_defines() lists CUFLASH_PARAM_WORD(name, word) for every member of a block,
+// expanded where CUFLASH_PARAM_BLOCK names the struct (#define, the list, #undef).
+#define CUFLASH_STRINGIFY(x) CUFLASH_STRINGIFY_(x)
+#define CUFLASH_STRINGIFY_(x) #x
+#define CUFLASH_PARAM_WORD(name, word)                                                    \
+    static_assert(CUFLASH_OFFSETOF(CUFLASH_PARAM_BLOCK, name) == 8 * (word),              \
+                  CUFLASH_STRINGIFY(CUFLASH_PARAM_BLOCK) "::" #name " against cuflash/_params.py");
+
 // Every member is 8 bytes wide so the Python side can pack it with struct.pack('<...q/d')
-// without caring about padding rules; cuflash/_params.py lays it out (FWD_PARAM_FORMAT), and the
+// without caring about padding rules; cuflash/_params.py lays it out (FWD_PARAM_FIELDS), and the
 // static_asserts after BwdParams hold the two in step.
 struct FwdParams {
     const void* q;
@@ -101,9 +110,15 @@ struct BwdParams {
     i64 head_group;
 };
 
-// The blocks as cuflash/_params.py lays them out (FWD_PARAM_FORMAT, BWD_PARAM_FORMAT: their sizes
-// and the words a call writes, passed by _variants.kernel_defines()): a member added or
-// dropped on one side only, or one that moves the words a call writes, fails every build here.
+// The blocks as cuflash/_params.py lays them out (FWD_PARAM_FIELDS, BWD_PARAM_FIELDS: each
+// member's word, their sizes and the words a call writes): a member renamed, moved, added or
+// dropped on one side only fails every build here.
+#define CUFLASH_PARAM_BLOCK FwdParams
+CUFLASH_FWD_PARAM_WORDS
+#undef CUFLASH_PARAM_BLOCK
+#define CUFLASH_PARAM_BLOCK BwdParams
+CUFLASH_BWD_PARAM_WORDS
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(FwdParams) == CUFLASH_FWD_PARAM_BYTES, "FwdParams against _params.FWD_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(FwdParams, nq) == 8 * CUFLASH_FWD_POINTER_WORDS,
               "q .. m, the pointers a call writes, are the first words");
@@ -152,6 +167,21 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 constexpr float kLog2e = 1.4426950408889634f;  // 1 / ln(2)
+
+// Accumulators to 0: an m16n8 tile's four values per (row tile, column tile), or a float32
+// kernel's per (row, column slice).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void zero(float (&acc)[ROWS][COLS]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) acc[i][j] = 0.f;
+}
+template <int MT, int NT, int E>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][E]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) zero(acc[i]);
+}
 
 // Python sizes every launch's dynamic shared memory from the same layout the kernel uses;
 // a kernel calls this first, so that if the two ever drift it fails loudly instead of
@@ -241,24 +271,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// D += A * B for one m16n8k16 tile, fp32 accumulation.
+// D += A * B for one m16n8k16 tile, fp32 accumulation; TYPE is the PTX name of T.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <>
-__device__ __forceinline__ void mma_16816<bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<fp16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define CUFLASH_DEFINE_MMA_16816(TYPE_TAG, TYPE)                                                    \
+    template <>                                                                                      \
+    __device__ __forceinline__ void mma_16816<TYPE_TAG>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                  \
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                        \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                \
+    }
+CUFLASH_DEFINE_MMA_16816(bf16, "bf16")
+CUFLASH_DEFINE_MMA_16816(fp16, "f16")
+#undef CUFLASH_DEFINE_MMA_16816
 
 }  // namespace cuflash

@@ -57,9 +57,20 @@ __device__ __forceinline__ float dot8(const T* a, const T* b) {  // 8 elements, 
     return acc;
 }
 
-template <typename T, int NWARPS, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant: a parameter for each field of cuflash/_variants.py's BackwardPreprocess.
+template <typename dtype, int warps, bool varlen>
+struct BwdPreTraits {
+    using T = dtype;
+    static constexpr int NWARPS = warps;
+    static constexpr bool VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using T = typename K::T;
+    constexpr int NWARPS = K::NWARPS;
+    constexpr bool VARLEN = K::VARLEN;
     const i64 bidx = flat_batch_index();
     if (bidx >= p.num_batch) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -108,7 +119,7 @@ flash_bwd_preprocess(const __grid_constant__ FwdParams p, const __grid_constant_
 // operands in shared memory. A is stored [m][k] (A_KMAJOR false) or [k][m] (true, read with
 // ldmatrix.trans); B is stored [n][k] (B_KMAJOR false) or [k][n] (true). The pointers are
 // already offset to the warp's first row / column; pitches are in elements. The k-loop stays
-// rolled: unrolled by 2-8 it ran 1-4% faster but spilled 12-52 bytes (bench/NOTES.md, b3).
+// rolled: unrolled by 2-8 it ran 1-4% faster but spilled 12-52 bytes (bench/NOTES.md, Backward).
 template <typename T, int MT, int NT, int KSTEPS, bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* a, int a_pitch,
                                           const T* b, int b_pitch, int lane) {
@@ -142,16 +153,6 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* a, i
     }
 }
 
-template <int MT, int NT>
-__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-}
-
 template <int HD, int HDV, int BR, int BC>
 struct BwdSmemLayout {
     static constexpr int k_pitch = HD + kSmemPad, q_pitch = HD + kSmemPad;
@@ -172,13 +173,32 @@ struct BwdSmemLayout {
 //   dK, dV (BC x HD / HDV): WK_KV warps along keys x NWARPS / WK_KV along the head dim
 //   dQ (BR x HD):           WM_Q warps along queries x NWARPS / WM_Q along the head dim
 // P and dS go through shared memory ([query][key], 16-bit) between the first matmuls and
-// the rest; dK and dV stay in registers for the whole walk. VARLEN: the CTA walks the key
+// the rest; dK and dV stay in registers for the whole walk. varlen: the CTA walks the key
 // tiles of its sequence that its grid position names (slice.cuh's work items).
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL,
-          bool DO_DK, bool DO_DV, bool ATOMIC_DQ, int WM_S, int WK_KV, int WM_Q, bool SPARSE,
-          bool VARLEN, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
+//
+// One variant: a parameter for each field of cuflash/_variants.py's TensorCoreBackward, in its
+// order (warps_s_rows, warps_kv_rows, warps_dq_rows: WM_S, WK_KV, WM_Q above), then smem_bytes,
+// which BwdSmemLayout must come to.
+template <typename dtype, int head_dim, int head_dim_v, int block_rows, int block_cols, int warps, int min_blocks,
+          bool causal, bool do_dk, bool do_dv, bool atomic_dq, int warps_s_rows, int warps_kv_rows, int warps_dq_rows,
+          bool sparse, bool varlen, int smem_bytes>
+struct BwdTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, HDV = head_dim_v, BR = block_rows, BC = block_cols;
+    static constexpr int NWARPS = warps, MINB = min_blocks, SMEM_BYTES = smem_bytes;
+    static constexpr int WM_S = warps_s_rows, WK_KV = warps_kv_rows, WM_Q = warps_dq_rows;
+    static constexpr bool CAUSAL = causal, DO_DK = do_dk, DO_DV = do_dv, ATOMIC_DQ = atomic_dq;
+    static constexpr bool SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::MINB)
 flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, HDV = K::HDV, BR = K::BR, BC = K::BC, NWARPS = K::NWARPS, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr int WM_S = K::WM_S, WK_KV = K::WK_KV, WM_Q = K::WM_Q;
+    constexpr bool CAUSAL = K::CAUSAL, DO_DK = K::DO_DK, DO_DV = K::DO_DV, ATOMIC_DQ = K::ATOMIC_DQ;
+    constexpr bool SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     static_assert(HD % 16 == 0 && HDV % 16 == 0 && BR % 16 == 0 && BC % 16 == 0, "mma tiles are 16 wide");
     constexpr int NT = NWARPS * 32;
     constexpr int S_ROWS = BR / WM_S, S_COLS = BC / (NWARPS / WM_S);
@@ -188,7 +208,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
                   "every warp tile is whole 16 x 16 blocks");
     static_assert(DK_COLS % 16 == 0 && DV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "head-dim slices are 16 wide");
     using L = BwdSmemLayout<HD, HDV, BR, BC>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackward.fixed_smem");
     static_assert(kStatsRowMultiple % BR == 0, "statistics tiles of BR rows stay inside the padded rows");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -209,13 +229,11 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
     const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
     const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
     const float *gLse = in.lse2, *gD = in.delta;
-    const int n_k_tiles = tiles_of(nk, BC);
 
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+    for (ItemWalk<VARLEN, false> walk(tiles_of(nk, BC)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int key_tile = walk.tile();
         const i64 j0 = (i64)key_tile * BC;
 
         // The query tiles that see any of this CTA's keys: the band's, or the block mask's list.
@@ -246,8 +264,7 @@ flash_bwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Bw
         };
 
         if (tiles.count > 0) {
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, j0, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, j0, nk, p.dv, tid);
+            load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK, sV, gK, gV, p, j0, nk, tid);
             load_query_tile(tiles.tile(0), 0);
             cp_async_commit();
         }
@@ -411,15 +428,28 @@ struct BwdDqSmemLayout {
     static constexpr int bytes = 2 * (q_elems + do_elems + 2 * k_elems + 2 * v_elems);
 };
 
-// VARLEN: the CTA walks the query tiles of its sequence that its grid position names.
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, bool SPARSE, bool VARLEN,
-          int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
+// One variant: a parameter for each field of cuflash/_variants.py's TensorCoreBackwardDq, in
+// its order, then smem_bytes, which BwdDqSmemLayout must come to. varlen: the CTA walks the
+// query tiles of its sequence that its grid position names.
+template <typename dtype, int head_dim, int head_dim_v, int block_rows, int block_cols, int warps, int min_blocks,
+          bool causal, bool sparse, bool varlen, int smem_bytes>
+struct BwdDqTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, HDV = head_dim_v, BR = block_rows, BC = block_cols;
+    static constexpr int NWARPS = warps, MINB = min_blocks, SMEM_BYTES = smem_bytes;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::MINB)
 flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, HDV = K::HDV, BR = K::BR, BC = K::BC, NWARPS = K::NWARPS, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
     constexpr int NT = NWARPS * 32;
     using L = BwdDqSmemLayout<HD, HDV, BR, BC>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackwardDq.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreBackwardDq.fixed_smem");
     static_assert(kStatsRowMultiple % BR == 0, "query tiles stay inside the statistics' padded rows");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
@@ -434,13 +464,11 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
     const i64 nq = g.nq, nk = g.nk;
     const BwdSlice<T> in = bwd_slice<T, VARLEN>(p, b, g, bidx);
     const T *gQ = in.q, *gK = in.k, *gV = in.v, *gdO = in.dout;
-    const int n_q_tiles = tiles_of(nq, BR);
 
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
         const Band band = g.band<CAUSAL>(p);
@@ -461,17 +489,13 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
         const float scale = (float)p.scale;
 
         float acc_dq[HD / 8][4];
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
+        zero(acc_dq);
 
         if (n_tiles > 0) {
             load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
             load_tile_async<BR, HDV, L::do_pitch, NT>(sdO, gdO, b.do_row_stride, q0, nq, p.dv, tid);
             const i64 k_first = (i64)tiles.tile(0) * BC;
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
+            load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK, sV, gK, gV, p, k_first, nk, tid);
             cp_async_commit();
         }
         for (int t = 0; t < n_tiles; ++t) {
@@ -480,8 +504,8 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
             if (t + 1 < n_tiles) {
                 const int stage = (t + 1) & 1;
                 const i64 k_next = (i64)tiles.tile(t + 1) * BC;
-                load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride, k_next, nk, p.d, tid);
-                load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride, k_next, nk, p.dv, tid);
+                load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK + stage * L::k_elems, sV + stage * L::v_elems,
+                                                                       gK, gV, p, k_next, nk, tid);
             }
             cp_async_commit();
             const T* cK = sK + (t & 1) * L::k_elems;
@@ -491,10 +515,8 @@ flash_bwd_dq_kernel(const __grid_constant__ FwdParams p, const __grid_constant__
 
             // -- S = Q K^T and dP = dO V^T, this warp's 16 queries against BC keys --
             float acc_s[BC / 8][4], acc_dp[BC / 8][4];
-#pragma unroll
-            for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[n][e] = acc_dp[n][e] = 0.f;
+            zero(acc_s);
+            zero(acc_dp);
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 u32 a[4];

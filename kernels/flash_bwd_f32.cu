@@ -22,11 +22,26 @@ __device__ __forceinline__ void load_rows_f32(float* smem, const float* gmem, i6
     }
 }
 
-// DT = ceil(d / 32), DVT = ceil(dv / 32): dK / dV columns per lane. VARLEN (both kernels): the
-// CTA walks the tiles of its sequence that its grid position names (slice.cuh).
-template <int DT, int DVT, int NWARPS, int KPW, bool CAUSAL, bool SPARSE, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant of each kernel: a parameter for each field of cuflash/_variants.py's
+// Float32BackwardDkDv and Float32BackwardDq, in its order. dim_tiles: dK and dV columns (DT,
+// DVT), or dQ columns (DT), per lane: ceil(max(d, dv) / 32). varlen (both kernels): the CTA
+// walks the tiles of its sequence that its grid position names (slice.cuh).
+template <int dim_tiles, bool causal, int warps, int keys_per_warp, bool sparse, bool varlen>
+struct BwdDkDv32Traits {
+    static constexpr int DT = dim_tiles, DVT = dim_tiles, NWARPS = warps, KPW = keys_per_warp;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+template <int dim_tiles, bool causal, int warps, int rows_per_warp, bool sparse, bool varlen>
+struct BwdDq32Traits {
+    static constexpr int DT = dim_tiles, NWARPS = warps, RPW = rows_per_warp;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    constexpr int DT = K::DT, DVT = K::DVT, NWARPS = K::NWARPS, KPW = K::KPW;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     constexpr int NT = NWARPS * 32, BK = NWARPS * KPW;
     constexpr int QP = DT * 32 + 1, OP = DVT * 32 + 1;  // odd pitches: lane j reads row j
     const int d = (int)p.d, dv = (int)p.dv;
@@ -44,25 +59,18 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
     const float *gQ = in.q, *gdO = in.dout;
     const Band band = g.band<CAUSAL>(p);
-    const int n_k_tiles = tiles_of(nk, BK);
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_k_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int key_tile = item_tile<VARLEN, false>(item, n_k_tiles);
+    for (ItemWalk<VARLEN, false> walk(tiles_of(nk, BK)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int key_tile = walk.tile();
         const i64 j0 = (i64)key_tile * BK;
         load_rows_f32(sK, in.k, p.k_row_stride, j0, nk, BK, d, d, d, tid, NT);
         load_rows_f32(sV, in.v, p.v_row_stride, j0, nk, BK, dv, dv, dv, tid, NT);
         const auto tiles = query_tiles<SPARSE>(p, band, bidx, key_tile, j0, BK, 32, nq, nk);
         const float scale = (float)p.scale;
         float acc_dk[KPW][DT], acc_dv[KPW][DVT];
-#pragma unroll
-        for (int r = 0; r < KPW; ++r) {
-#pragma unroll
-            for (int u = 0; u < DT; ++u) acc_dk[r][u] = 0.f;
-#pragma unroll
-            for (int u = 0; u < DVT; ++u) acc_dv[r][u] = 0.f;
-        }
+        zero(acc_dk);
+        zero(acc_dv);
 
         for (int it = 0; it < tiles.count; ++it) {
             const i64 q0 = (i64)tiles.tile(it) * 32;
@@ -107,9 +115,11 @@ flash_bwd_dkdv_f32_kernel(const __grid_constant__ FwdParams p, const __grid_cons
     }  // items
 }
 
-template <int DT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b) {
+    constexpr int DT = K::DT, NWARPS = K::NWARPS, RPW = K::RPW;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, KP = DT * 32 + 1;
     const int d = (int)p.d, dv = (int)p.dv, vp = dv + 1;
     extern __shared__ __align__(16) float smem_f32[];
@@ -126,12 +136,10 @@ flash_bwd_dq_f32_kernel(const __grid_constant__ FwdParams p, const __grid_consta
     const BwdSlice<float> in = bwd_slice<float, VARLEN>(p, b, g, bidx);
     const float *gK = in.k, *gV = in.v;
     const Band band = g.band<CAUSAL>(p);
-    const int n_q_tiles = tiles_of(nq, BR);
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         load_rows_f32(sQ, in.q, p.q_row_stride, q0, nq, BR, d, d, d, tid, NT);
         load_rows_f32(sdO, in.dout, b.do_row_stride, q0, nq, BR, dv, dv, dv, tid, NT);

@@ -146,18 +146,33 @@ __device__ __forceinline__ void walk_bwd_items(const FwdParams& p, const GridCel
     }
 }
 
+// One variant: a parameter for each field of cuflash/_variants.py's HopperBackward, in its
+// order, then smem_bytes, which Bwd90SmemLayout must come to. (The CTA's keys, query rows and
+// threads are every variant's: kBwd90Keys, kBwd90Rows, kBwd90Threads.)
+template <typename dtype, int head_dim, bool atomic_dq, bool causal, int stages, bool sparse, bool varlen, bool grouped,
+          bool tma, bool persistent, int smem_bytes>
+struct Bwd90Traits {
+    using T = dtype;
+    static constexpr int HD = head_dim, STAGES = stages, SMEM_BYTES = smem_bytes;
+    static constexpr bool ATOMIC_DQ = atomic_dq, CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+    static constexpr bool GROUPED = grouped, TMA = tma, PERSISTENT = persistent;
+};
+
 // VARLEN: a packed variable-length batch (slice.cuh): the CTA walks the key tiles of its
 // sequence that its grid position names. Its ring of Q / dO stages counts on across them (a
 // tile's stage and phase come from the tiles of the earlier items plus its own index), and
 // all three warpgroups meet between items, before K and V are replaced.
-template <typename T, int HD, int STAGES, bool ATOMIC_DQ, bool CAUSAL, bool SPARSE, bool VARLEN, bool GROUPED,
-          bool TMA, bool PERSISTENT, int SMEM_BYTES>
+template <class K>
 __global__ void __launch_bounds__(kBwd90Threads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ BwdParams b,
                       const __grid_constant__ sm90::Bwd90Maps maps) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, STAGES = K::STAGES, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool ATOMIC_DQ = K::ATOMIC_DQ, CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
+    constexpr bool GROUPED = K::GROUPED, TMA = K::TMA, PERSISTENT = K::PERSISTENT;
     using L = Bwd90SmemLayout<HD, STAGES, PERSISTENT>;
     // Causal items differ in length, which a fixed round-robin shares out worse than the hardware
-    // starting one CTA an item (bench/NOTES.md, session 25)
+    // starting one CTA an item (bench/NOTES.md, Backward on Hopper (key pass))
     static_assert(!PERSISTENT || (TMA && !CAUSAL && !VARLEN && !GROUPED && !SPARSE),
                   "the persistent form: dense, not causal, through TMA");
     static_assert(HD == 64 || HD == 128, "wgmma paths for head dims 64 and 128");
@@ -175,11 +190,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     // warp issues the bulk reduction, waits for its read and arrives on barrier 4, which
     // warpgroup 1 waits on before the next tile's dS^T (so before it writes the dQ tile again).
     // 1.3-3.6% faster at 64; at 128, where both warpgroups add dQ and wait on barrier 4 there,
-    // 2-5% slower (bench/NOTES.md, session 23).
+    // 2-5% slower (bench/NOTES.md, Backward on Hopper (key pass)).
     constexpr bool kDqWarp = TMA && ATOMIC_DQ && HD == 64;
     constexpr int kDqBarrierThreads = 128 + 32;  // warpgroup 1 and the dQ warp
     static_assert(!kDoubleDs || STAGES == 2, "dS^T buffers are indexed by stage");
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperBackward.fixed_smem");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -336,10 +351,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             band.clean_query_tiles(wk0, 64, kBwd90Rows, nk, clean_first, clean_last);
 
             float acc_dv[HD / 8][4], acc_dk[HD / 8][4];
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
+            zero(acc_dv);
+            zero(acc_dk);
 
             // PERSISTENT: this item's K / V buffer (the producer alternates them)
             const int kb = L::kv_buffer(kv_round);
@@ -468,8 +481,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
                         // -- dQ += scale * dS K over all 128 keys, so dS^T of both warpgroups must be
                         // in. dK's matmul (at head dim 64 dV's too) is not waited for before the
                         // barrier but with dQ: it runs through the barrier and dQ's issue (1-2.6%
-                        // faster backwards at head dim 128, bench/NOTES.md session 20; at 64, with
-                        // the warp-uniform warpgroup index, session 21) --
+                        // faster backwards at head dim 128; at 64 too since the warp-uniform
+                        // warpgroup index: bench/NOTES.md, Backward on Hopper (key pass)) --
                         sm90::fence_async_shared();
                         if (!kDqWarp && tid == kDqIssuer) sm90::bulk_wait_read<0>();  // the last tile's dQ has left its tile
                         sm90::named_barrier_sync<1, 256>();

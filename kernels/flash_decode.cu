@@ -24,7 +24,7 @@
 //     row r at chunk c ^ (r % 8), so the eight rows an ldmatrix phase reads hit eight different
 //     16-byte bank groups. Padded rows (HD + 8) did that too, but copies into rows that start
 //     off a 128-byte boundary make the L2 look up 1.5x the sectors: streaming the same 1 GB
-//     (H200, ncu; bench/NOTES.md, session 18) padded rows took 50.3 M lookups and 4.08 TB/s,
+//     (H200, ncu; bench/NOTES.md, Decoding) padded rows took 50.3 M lookups and 4.08 TB/s,
 //     swizzled ones 33.6 M (one a sector, as cuDNN's decode) and 4.40 TB/s.
 //
 // Sequence lengths are read from device memory (seqlens, clamped to [0, capacity]): the grid
@@ -104,20 +104,15 @@ struct DecodeCombineParams {
 };
 
 // Both blocks as cuflash/_params.py lays them out, member by member (DECODE_PARAM_FIELDS,
-// COMBINE_PARAM_FIELDS): kernel_defines() passes each member's word as
-// CUFLASH_PARAM_WORD(name, word), so a member renamed, moved, added or dropped on one side
-// only fails the build here.
-#define CUFLASH_PARAM_WORD(name, word)                                                \
-    static_assert(CUFLASH_OFFSETOF(DecodeParams, name) == 8 * (word),                 \
-                  "DecodeParams::" #name " against _params.DECODE_PARAM_FIELDS");
+// COMBINE_PARAM_FIELDS; CUFLASH_PARAM_WORD in common.cuh), so a member renamed, moved, added
+// or dropped on one side only fails the build here.
+#define CUFLASH_PARAM_BLOCK DecodeParams
 CUFLASH_DECODE_PARAM_WORDS
-#undef CUFLASH_PARAM_WORD
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(DecodeParams) == CUFLASH_DECODE_PARAM_BYTES, "DecodeParams against _params.DECODE_PARAM_FIELDS");
-#define CUFLASH_PARAM_WORD(name, word)                                                \
-    static_assert(CUFLASH_OFFSETOF(DecodeCombineParams, name) == 8 * (word),          \
-                  "DecodeCombineParams::" #name " against _params.COMBINE_PARAM_FIELDS");
+#define CUFLASH_PARAM_BLOCK DecodeCombineParams
 CUFLASH_COMBINE_PARAM_WORDS
-#undef CUFLASH_PARAM_WORD
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(DecodeCombineParams) == CUFLASH_COMBINE_PARAM_BYTES,
               "DecodeCombineParams against _params.COMBINE_PARAM_FIELDS");
 
@@ -218,13 +213,28 @@ __device__ __forceinline__ void load_paged_tile_async(T* smem, const T* const* g
     }
 }
 
+// One variant: a parameter for each field of cuflash/_variants.py's SplitKvDecode, in its
+// order, then smem_bytes, which DecodeSmemLayout must come to.
+template <typename dtype, int head_dim, int block_cols, int warps, int stages, bool paged, int row_warps,
+          int smem_bytes>
+struct DecodeTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, BC = block_cols, NWARPS = warps, STAGES = stages, ROW_WARPS = row_warps;
+    static constexpr int SMEM_BYTES = smem_bytes;
+    static constexpr bool PAGED = paged;
+};
+
 // Paged forms ask for the two CTAs an SM their shared memory is sized for: left to itself
 // NVRTC gave the eight-warp, one-row-warp form 80 registers and a spill, and with one asked
 // the eight-warp forms took more than two CTAs' registers. (0 leaves the dense forms' machine
 // code as it was; they fit two CTAs on their own.)
-template <typename T, int HD, int BC, int NWARPS, int STAGES, bool PAGED, int ROW_WARPS, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, PAGED ? 2 : 0)
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::PAGED ? 2 : 0)
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, BC = K::BC, NWARPS = K::NWARPS, STAGES = K::STAGES, ROW_WARPS = K::ROW_WARPS;
+    constexpr int SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool PAGED = K::PAGED;
     constexpr int NT = NWARPS * 32;
     constexpr int KEY_WARPS = NWARPS / ROW_WARPS;
     constexpr int KW = BC / KEY_WARPS;  // keys a warp owns in each tile
@@ -234,7 +244,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     static_assert(KW % kPageGroup == 0, "each warp takes whole page groups (one page look-up each)");
     static_assert(HD % 16 == 0 && STAGES >= 2, "mma tiles are 16 wide; at least double buffering");
     using L = DecodeSmemLayout<HD, BC, STAGES, NWARPS, ROW_WARPS, PAGED>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against SplitKvDecode.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against SplitKvDecode.fixed_smem");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
@@ -339,10 +349,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
     const float scale_log2 = (float)p.scale_log2;
     float acc_o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    zero(acc_o);
     OnlineSoftmax<2> softmax;
     softmax.init();
 
@@ -400,10 +407,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
         // -- S = Q K^T over this warp's KW keys (raw scores, fp32) --
         float acc_s[KW / 8][4];
-#pragma unroll
-        for (int n = 0; n < KW / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
+        zero(acc_s);
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[4];
@@ -589,9 +593,18 @@ __device__ __forceinline__ float combine_block_reduce(float x, bool is_max, floa
 
 constexpr int kMaxDecodeSplits = CUFLASH_MAX_DECODE_SPLITS;  // cuflash/_constants.py
 
-template <typename T, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant: a parameter for each field of cuflash/_variants.py's DecodeCombine.
+template <typename dtype, int warps>
+struct DecodeCombineTraits {
+    using T = dtype;
+    static constexpr int NWARPS = warps;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_decode_combine_kernel(const __grid_constant__ DecodeCombineParams p) {
+    using T = typename K::T;
+    constexpr int NWARPS = K::NWARPS;
     __shared__ float scratch[NWARPS];
     __shared__ float weights[kMaxDecodeSplits];
     __shared__ float4 partial[NWARPS][32];

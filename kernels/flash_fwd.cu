@@ -31,13 +31,26 @@ struct FwdSmemLayout {
     static constexpr int bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
 
-// SMEM_BYTES: the dynamic shared memory the launch gives, as cuflash/_variants.py computed it.
-// VARLEN: a packed variable-length batch; the CTA walks the query tiles of its sequence that
-// its grid position names (slice.cuh's work items).
-template <typename T, int HD, int HDV, int BR, int BC, int NWARPS, int MINB, bool CAUSAL, int QK_UNROLL, bool SPARSE,
-          bool VARLEN, int SMEM_BYTES>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
+// One forward variant: a parameter for each field of cuflash/_variants.py's TensorCoreForward,
+// in its order, then smem_bytes, the dynamic shared memory Python sizes the launch with (the
+// layout above must come to it). varlen: a packed variable-length batch; the CTA walks the
+// query tiles of its sequence that its grid position names (slice.cuh's work items).
+template <typename dtype, int head_dim, int head_dim_v, int block_rows, int block_cols, int warps, int min_blocks,
+          bool causal, int qk_unroll, bool sparse, bool varlen, int smem_bytes>
+struct FwdTraits {
+    using T = dtype;
+    static constexpr int HD = head_dim, HDV = head_dim_v, BR = block_rows, BC = block_cols;
+    static constexpr int NWARPS = warps, MINB = min_blocks, QK_UNROLL = qk_unroll, SMEM_BYTES = smem_bytes;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32, K::MINB)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, HDV = K::HDV, BR = K::BR, BC = K::BC, NWARPS = K::NWARPS, QK_UNROLL = K::QK_UNROLL;
+    constexpr int SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     // Each warp owns MT consecutive 16-row tiles: every K/V fragment it loads from shared
     // memory feeds MT mmas, which is what keeps ldmatrix bandwidth below the mma rate.
     constexpr int MT = BR / (16 * NWARPS);
@@ -46,7 +59,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     constexpr int NT = NWARPS * 32;
     constexpr int WR = 16 * MT;  // query rows per warp
     using L = FwdSmemLayout<HD, HDV, BR, BC>;
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreForward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against TensorCoreForward.fixed_smem");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
@@ -61,14 +74,12 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     const T* gQ = static_cast<const T*>(p.q) + g.q;
     const T* gK = static_cast<const T*>(p.k) + g.k;
     const T* gV = static_cast<const T*>(p.v) + g.v;
-    const int n_q_tiles = tiles_of(nq, BR);
 
+    // Causal: the last query tiles see the most keys (item_tile).
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's buffers
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        // Causal: the last query tiles see the most keys (item_tile).
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
         const Band band = g.band<CAUSAL>(p);
@@ -85,20 +96,14 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         const float scale_log2 = (float)p.scale_log2;
 
         float acc_o[MT][HDV / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < HDV / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_o[mt][n][e] = 0.f;
+        zero(acc_o);
         OnlineSoftmax<2 * MT> softmax;
         softmax.init();
 
         if (n_tiles > 0) {
             load_tile_async<BR, HD, L::q_pitch, NT>(sQ, gQ, p.q_row_stride, q0, nq, p.d, tid);
             const i64 k_first = (i64)tiles.tile(0) * BC;
-            load_tile_async<BC, HD, L::k_pitch, NT>(sK, gK, p.k_row_stride, k_first, nk, p.d, tid);
-            load_tile_async<BC, HDV, L::v_pitch, NT>(sV, gV, p.v_row_stride, k_first, nk, p.dv, tid);
+            load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK, sV, gK, gV, p, k_first, nk, tid);
             cp_async_commit();
         }
 
@@ -109,10 +114,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             if (t + 1 < n_tiles) {
                 const int stage = (t + 1) & 1;
                 const i64 k_next = (i64)tiles.tile(t + 1) * BC;
-                load_tile_async<BC, HD, L::k_pitch, NT>(sK + stage * L::k_elems, gK, p.k_row_stride,
-                                                        k_next, nk, p.d, tid);
-                load_tile_async<BC, HDV, L::v_pitch, NT>(sV + stage * L::v_elems, gV, p.v_row_stride,
-                                                         k_next, nk, p.dv, tid);
+                load_kv_async<BC, HD, HDV, L::k_pitch, L::v_pitch, NT>(sK + stage * L::k_elems, sV + stage * L::v_elems,
+                                                                       gK, gV, p, k_next, nk, tid);
             }
             cp_async_commit();
             const T* cK = sK + (t & 1) * L::k_elems;
@@ -122,12 +125,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
             // -- S = Q K^T (raw scores, fp32) --
             float acc_s[MT][BC / 8][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
+            zero(acc_s);
             // With one row tile a warp, unrolled fully. With more, unrolled by QK_UNROLL only: a
             // full unroll lets the compiler hoist every Q fragment of the tile into registers at
             // once (HD/16 * MT * 4 of them), which spills.

@@ -26,11 +26,21 @@ __device__ __forceinline__ void load_tile_f32(float* smem, const float* gmem, i6
     }
 }
 
-// DVT: O columns per lane (ceil(dv / 32)); the key tile is the warp width, 32. VARLEN: the CTA
-// walks the query tiles of its sequence that its grid position names (slice.cuh).
-template <int DVT, int NWARPS, int RPW, bool CAUSAL, bool SPARSE, bool VARLEN>
-__global__ void __launch_bounds__(NWARPS * 32)
+// One variant: a parameter for each field of cuflash/_variants.py's Float32Forward, in its
+// order. value_tiles (DVT): O columns per lane, ceil(dv / 32); the key tile is the warp width,
+// 32; rows_per_warp (RPW) query rows a warp. varlen: the CTA walks the query tiles of its
+// sequence that its grid position names (slice.cuh).
+template <int value_tiles, bool causal, int warps, int rows_per_warp, bool sparse, bool varlen>
+struct Fwd32Traits {
+    static constexpr int DVT = value_tiles, NWARPS = warps, RPW = rows_per_warp;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::NWARPS * 32)
 flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
+    constexpr int DVT = K::DVT, NWARPS = K::NWARPS, RPW = K::RPW;
+    constexpr bool CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     constexpr int NT = NWARPS * 32, BR = NWARPS * RPW, BC = 32, VP = DVT * 32;
     extern __shared__ __align__(16) float smem_f32[];
     const int d = (int)p.d, dv = (int)p.dv, k_pitch = d + 1;  // odd pitch: lane j reads row j
@@ -47,12 +57,10 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
     const float* gK = static_cast<const float*>(p.k) + g.k;
     const float* gV = static_cast<const float*>(p.v) + g.v;
     const Band band = g.band<CAUSAL>(p);
-    const int n_q_tiles = tiles_of(nq, BR);
 #pragma unroll 1
-    for (int item = first_item<VARLEN>(); item < item_count<VARLEN>(n_q_tiles); item += item_step<VARLEN>()) {
-        if (item != first_item<VARLEN>()) __syncthreads();  // every warp is done with the last item's tiles
-        const int tid = item_thread_index<VARLEN>(), warp = tid / 32, lane = tid % 32;
-        const int q_tile = item_tile<VARLEN, CAUSAL>(item, n_q_tiles);
+    for (ItemWalk<VARLEN, CAUSAL> walk(tiles_of(nq, BR)); walk.more(); walk.next()) {
+        const int tid = walk.start(), warp = tid / 32, lane = tid % 32;
+        const int q_tile = walk.tile();
         const i64 q0 = (i64)q_tile * BR;
         const i64 q_end = q0 + BR < nq ? q0 + BR : nq;
         const auto tiles = key_tiles<SPARSE>(p, band, bidx, q_tile, q0, q_end, BC, nk);
@@ -61,10 +69,7 @@ flash_fwd_f32_kernel(const __grid_constant__ FwdParams p) {
 
         load_tile_f32<NT>(sQ, gQ, p.q_row_stride, q0, nq, BR, d, d, d, tid);
         float acc[RPW][DVT];
-#pragma unroll
-        for (int i = 0; i < RPW; ++i)
-#pragma unroll
-            for (int t = 0; t < DVT; ++t) acc[i][t] = 0.f;
+        zero(acc);
         OnlineSoftmax<RPW> softmax;
         softmax.init();
 

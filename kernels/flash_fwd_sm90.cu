@@ -157,11 +157,25 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, const GridCell& ce
     }
 }
 
+// One variant: a parameter for each field of cuflash/_variants.py's HopperForward, in its
+// order, then smem_bytes, which Sm90SmemLayout must come to. (The CTA's rows and threads are
+// every variant's: kSm90Rows, kSm90Threads.)
+template <typename dtype, int head_dim, int block_cols, int stages, bool overlap, bool pingpong, bool tma,
+          bool persistent, bool causal, bool sparse, bool varlen, int smem_bytes>
+struct Fwd90Traits {
+    using T = dtype;
+    static constexpr int HD = head_dim, BC = block_cols, STAGES = stages, SMEM_BYTES = smem_bytes;
+    static constexpr bool OVERLAP = overlap, PINGPONG = pingpong, TMA = tma, PERSISTENT = persistent;
+    static constexpr bool CAUSAL = causal, SPARSE = sparse, VARLEN = varlen;
+};
+
 // One consumer warpgroup's view of a key tile: where its operands are and how its scores are
 // masked and turned into P.
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE>
+template <class K>
 struct Sm90Consumer {
+    using T = typename K::T;
+    static constexpr int HD = K::HD, BC = K::BC, STAGES = K::STAGES;
+    static constexpr bool PINGPONG = K::PINGPONG, TMA = K::TMA, SPARSE = K::SPARSE;
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     const FwdParams& p;
     const TileList<SPARSE>& tiles;
@@ -303,17 +317,19 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
 // this warpgroup exponentiates tile t + 1.
 // Without, each tile's S, softmax and P V run in turn (the other consumer warpgroup fills the
 // gaps).
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE>
-__device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry& g, const TileList<SPARSE>& tiles,
+template <class K>
+__device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry& g, const TileList<K::SPARSE>& tiles,
                                         const Band& band, i64 q0, int tid, u32 sQ, u32 sK, u32 sV,
-                                        Sm90Barriers<STAGES> bar, Sm90Ring ring) {
+                                        Sm90Barriers<K::STAGES> bar, Sm90Ring ring) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, BC = K::BC;
+    constexpr bool OVERLAP = K::OVERLAP, PINGPONG = K::PINGPONG, TMA = K::TMA, PERSISTENT = K::PERSISTENT;
     const int n_tiles = tiles.count;
     // Warp-uniform to the compiler at head dims 128 and 256 (2-3% and 4-6% faster at seq >= 4k)
     // and in the persistent form at 64 (1-2%); the one-item form at 64 keeps tid / 128, with
-    // which it is 1-2% faster (bench/NOTES.md sessions 21 and 22).
+    // which it is 1-2% faster (bench/NOTES.md, Forward on Hopper (wgmma, TMA, persistence)).
     const int warpgroup = HD != 64 || PERSISTENT ? sm90::uniform_warpgroup(tid) : tid / 128, ct = tid % 128, warp = ct / 32;
-    Sm90Consumer<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE> c{p, tiles, band, sQ, sK, sV, bar, ring};
+    Sm90Consumer<K> c{p, tiles, band, sQ, sK, sV, bar, ring};
     c.warpgroup = warpgroup;
     c.row0 = 64 * (warpgroup - 1);
     c.lane = ct % 32;
@@ -324,10 +340,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
     band.clean_key_tiles(c.warp_q0, 16, BC, g.nk, c.clean_first, c.clean_last);
 
     float acc_o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    zero(acc_o);
     OnlineSoftmax<2> softmax;
     softmax.init();
 
@@ -414,17 +427,19 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SliceGeometry&
 // sequence and head, as sm90_work says. The tensor maps span every packed row of a head: rows
 // past the sequence's end are loaded but masked as keys (the sequence's nk) and never stored
 // as queries (its nq).
-template <typename T, int HD, int BC, int STAGES, bool OVERLAP, bool PINGPONG, bool TMA, bool PERSISTENT, bool CAUSAL,
-          bool SPARSE, bool VARLEN, int SMEM_BYTES>
+template <class K>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ sm90::Sm90Maps maps) {
+    using T = typename K::T;
+    constexpr int HD = K::HD, BC = K::BC, STAGES = K::STAGES, SMEM_BYTES = K::SMEM_BYTES;
+    constexpr bool TMA = K::TMA, PERSISTENT = K::PERSISTENT, CAUSAL = K::CAUSAL, SPARSE = K::SPARSE, VARLEN = K::VARLEN;
     using L = Sm90SmemLayout<HD, BC, STAGES>;
     static_assert(HD == 64 || HD == 128 || HD == 256, "wgmma paths for head dims 64, 128 and 256");
     static_assert(BC == 64 || BC == 128, "key tiles of 64 or 128");
     // At 256, O alone is 128 of a consumer's 232 registers, and Q plus one stage of K and V
     // 128 KB of shared memory.
     static_assert(HD != 256 || (BC == 64 && STAGES == 2), "head dim 256: 64-key tiles, 2 stages");
-    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperForward.smem_bytes");
+    static_assert(L::bytes == SMEM_BYTES, "shared-memory layout against HopperForward.fixed_smem");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     require_dynamic_smem((u32)SMEM_BYTES);
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -434,8 +449,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
     const int tid = threadIdx.x, warpgroup = HD != 64 || PERSISTENT ? sm90::uniform_warpgroup(tid) : tid / 128;  // as in consume
     // Without PERSISTENT the CTA's slice and tile; tile-major (slice.cuh) when causal without
     // grouped heads (with them it measured 2-4% slower at 8 x 32 / 8 x 2048 x 128), at head dims
-    // up to 128 (at 256 level: session 21), not for varlen grids (level or slower at
-    // 16 x 12 x 4096 x 64 packed, session 16).
+    // up to 128 (at 256 level), not for varlen grids (level or slower at 16 x 12 x 4096 x 64
+    // packed: bench/NOTES.md, Packed batches (varlen)).
     const GridCell cell = grid_cell(CAUSAL && !PERSISTENT && !VARLEN && HD <= 128 && p.kv_group == 1, kTileMajorForward);
     if (!PERSISTENT && cell.slice >= p.num_batch) return;
     if (tid == 0) {
@@ -528,8 +543,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
             const i64 q0 = (i64)w.q_tile * kSm90Rows;
             const i64 q_end = q0 + kSm90Rows < g.nq ? q0 + kSm90Rows : g.nq;
             const auto tiles = key_tiles<SPARSE>(p, band, w.bidx, w.q_tile, q0, q_end, BC, g.nk);
-            consume<T, HD, BC, STAGES, OVERLAP, PINGPONG, TMA, PERSISTENT, CAUSAL, SPARSE>(
-                p, g, tiles, band, q0, ctid, sQ, sK, sV, bar, ring);
+            consume<K>(p, g, tiles, band, q0, ctid, sQ, sK, sV, bar, ring);
             if (tiles.count > 0) {
                 ring.first_tile += tiles.count;
                 ++ring.q_round;
@@ -537,10 +551,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant
         };
         // At head dims 64 and 128 a varlen CTA whose grid row covers its sequence has one item:
         // it runs it outside the item loop, on the plain thread index (at 64, 16 x 12 x 4096
-        // causal: 1217-1244 -> 1190-1223 us, session 16). Inside the loop, above head dim 64,
-        // the index must be opaque (slice.cuh): without it those forms spill 732-1228 bytes (at
-        // 256 the one-item copy alongside spills 24-96 in the cp.async forms); at 64 the opaque
-        // index cost the loop 54 of its 840 instructions and nothing spills without it.
+        // causal: 1217-1244 -> 1190-1223 us; bench/NOTES.md, Packed batches (varlen)). Inside the
+        // loop, above head dim 64, the index must be opaque (slice.cuh): without it those forms
+        // spill 732-1228 bytes (at 256 the one-item copy alongside spills 24-96 in the cp.async
+        // forms); at 64 the opaque index cost the loop 54 of its 840 instructions and nothing
+        // spills without it.
         if (VARLEN && !PERSISTENT && HD <= 128 && first_item<VARLEN>(cell.tile) + item_step<VARLEN>() >= n_q_tiles) {
             if (sm90_work<CAUSAL, PERSISTENT, VARLEN>(p, cell, n_q_tiles, 0, w)) run_item(tid);
         } else {

@@ -15,6 +15,10 @@ struct GradReduceParams {
     i64 inner;         // elements of one slice: a multiple of 4 (head dims are multiples of 8)
     i64 outer;
 };
+// As cuflash/_params.py lays it out (REDUCE_PARAM_FIELDS), member by member (common.cuh).
+#define CUFLASH_PARAM_BLOCK GradReduceParams
+CUFLASH_REDUCE_PARAM_WORDS
+#undef CUFLASH_PARAM_BLOCK
 static_assert(sizeof(GradReduceParams) == CUFLASH_REDUCE_PARAM_BYTES, "against _params.REDUCE_PARAM_FORMAT");
 static_assert(CUFLASH_OFFSETOF(GradReduceParams, groups) == 8 * CUFLASH_REDUCE_POINTER_WORDS,
               "src, dst, the pointers a call writes, are the first words");
@@ -30,8 +34,16 @@ template <> __device__ __forceinline__ void store4<float>(void* dst, i64 i, floa
     *reinterpret_cast<float4*>(reinterpret_cast<float*>(dst) + i) = x;
 }
 
-template <typename T, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS) grad_reduce_kernel(const GradReduceParams p) {
+// One variant: a parameter for each field of cuflash/_variants.py's GradientReduce.
+template <typename dtype, int warps>
+struct GradReduceTraits {
+    using T = dtype;
+    static constexpr int WARPS = warps;
+};
+
+template <class K>
+__global__ void __launch_bounds__(32 * K::WARPS) grad_reduce_kernel(const GradReduceParams p) {
+    using T = typename K::T;
     const i64 total = p.outer * p.inner;
     const i64 step = 4 * static_cast<i64>(gridDim.x) * blockDim.x;
     for (i64 i = 4 * (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x); i < total; i += step) {

@@ -90,8 +90,8 @@ __device__ __forceinline__ int tiles_of(i64 n, int size) { return (int)((n + siz
 // max_seqlen, which a sequence may exceed: its CTA walks items x, x + gridDim.x, ... while they
 // are below the sequence's n_tiles, so no tile is skipped (x: blockIdx.x, or the tile of its
 // grid cell where the kernel reads the grid tile-major, below). A kernel loops
-// `for (int i = first_item<VARLEN>(); i < item_count<VARLEN>(n); i += item_step<VARLEN>())`,
-// which for dense code is one pass the compiler removes.
+// `for (int i = first_item<VARLEN>(); i < item_count<VARLEN>(n); i += item_step<VARLEN>())`
+// (ItemWalk, below, for a CTA's own slice), which for dense code is one pass the compiler removes.
 template <bool VARLEN> __device__ __forceinline__ int first_item() { return VARLEN ? (int)blockIdx.x : 0; }
 template <bool VARLEN> __device__ __forceinline__ int first_item(int cell_tile) { return VARLEN ? cell_tile : 0; }
 template <bool VARLEN> __device__ __forceinline__ int item_step() { return VARLEN ? (int)gridDim.x : 1; }
@@ -113,10 +113,11 @@ __device__ __forceinline__ int item_tile(int i, int n_tiles) {
 // first tiles, then its second tiles, ...): long tiles start early in every group, and a group's
 // tiles still run together, sharing their slices' rows in L2. Only for grids of at most
 // kTileMajorForward (forward) or kTileMajorBackward (backward) tiles a slice, where it measured
-// faster: with more, the slices' own tiles fill the GPU (bench/NOTES.md, session 15). A varlen
-// grid's x is its longest sequence's tiles, and its CTAs start their items from the cell's tile:
-// its backward takes the order up to kTileMajorVarlenBackward tiles (from 16, with lengths that
-// differ, it measured level or slower; session 16), its forward never.
+// faster: with more, the slices' own tiles fill the GPU (bench/NOTES.md, Forward (mma.sync) and
+// Backward). A varlen grid's x is its longest sequence's tiles, and its CTAs start their items
+// from the cell's tile: its backward takes the order up to kTileMajorVarlenBackward tiles (from
+// 16, with lengths that differ, it measured level or slower; bench/NOTES.md, Packed batches
+// (varlen)), its forward never.
 constexpr u32 kSliceGroup = CUFLASH_SLICE_GROUP;
 constexpr u32 kTileMajorForward = CUFLASH_TILE_MAJOR_FORWARD_TILES;
 constexpr u32 kTileMajorBackward = CUFLASH_TILE_MAJOR_BACKWARD_TILES;
@@ -148,5 +149,28 @@ __device__ __forceinline__ int item_thread_index() {
     if (VARLEN) asm volatile("" : "+r"(tid));
     return tid;
 }
+
+// The work items of the CTA's slice, of n_tiles tiles in all, walked as
+//     for (ItemWalk<VARLEN, REVERSED> walk(n_tiles); walk.more(); walk.next()) {
+//         const int tid = walk.start(), tile = walk.tile();
+//         ...
+// The loop's body stays in the kernel: inside a function (a lambda) the compiler simplifies it
+// before it is inlined, without the kernel around it, and the forward's registers moved.
+template <bool VARLEN, bool REVERSED>
+struct ItemWalk {
+    int item;
+    const int n_tiles;
+    __device__ __forceinline__ explicit ItemWalk(int n) : item(first_item<VARLEN>()), n_tiles(n) {}
+    __device__ __forceinline__ bool more() const { return item < item_count<VARLEN>(n_tiles); }
+    __device__ __forceinline__ void next() { item += item_step<VARLEN>(); }
+    // Begins the item, once every warp is done with the last item's buffers: the thread index
+    // (item_thread_index).
+    __device__ __forceinline__ int start() const {
+        if (item != first_item<VARLEN>()) __syncthreads();
+        return item_thread_index<VARLEN>();
+    }
+    // The item's tile (REVERSED: as item_tile).
+    __device__ __forceinline__ int tile() const { return item_tile<VARLEN, REVERSED>(item, n_tiles); }
+};
 
 }  // namespace cuflash

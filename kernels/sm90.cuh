@@ -305,7 +305,7 @@ __device__ __forceinline__ void tma_load_tile(u32 smem, const TensorMap* map, in
 // tid / 128, broadcast from lane 0: the same value, but one the compiler knows to be the same
 // in every lane of a warp, so branches on it are not divergent. Without it ptxas serialized
 // wgmma on some of the backward's warpgroup branches (C7514-C7520) and spilled more registers
-// (bench/NOTES.md session 21).
+// (bench/NOTES.md, Backward on Hopper (key pass)).
 __device__ __forceinline__ int uniform_warpgroup(int tid) {
     return __shfl_sync(0xffffffffu, tid / 128, 0);
 }

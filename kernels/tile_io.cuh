@@ -31,6 +31,15 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
     }
 }
 
+// Copies keys [k0, k0 + BC) of a slice's K (HD columns) and V (HDV) into their shared-memory
+// tiles (pitches K_PITCH, V_PITCH), as load_tile_async does each.
+template <int BC, int HD, int HDV, int K_PITCH, int V_PITCH, int NT, typename T>
+__device__ __forceinline__ void load_kv_async(T* sK, T* sV, const T* gK, const T* gV, const FwdParams& p, i64 k0,
+                                              i64 nk, int tid) {
+    load_tile_async<BC, HD, K_PITCH, NT>(sK, gK, p.k_row_stride, k0, nk, p.d, tid);
+    load_tile_async<BC, HDV, V_PITCH, NT>(sV, gV, p.v_row_stride, k0, nk, p.dv, tid);
+}
+
 // Copies COUNT floats (a multiple of 4, 16-byte aligned at both ends) into shared memory.
 template <int COUNT, int NT>
 __device__ __forceinline__ void load_floats_async(float* smem, const float* gmem, int tid) {

@@ -1,7 +1,7 @@
 """Compare the machine code of kernel variants between two versions of kernels/.
 
     python scripts/sass_diff.py BASE [HEAD] [--arch sm_80 sm_90a] [--source flash_fwd_sm90.cu ...]
-                                [--jobs N]
+                                [--sample N] [--jobs N]
 
 BASE and HEAD are git revisions; HEAD defaults to the working tree. A kernel edit that leaves
 a variant's SASS unchanged cannot change what that variant does on a GPU, so this shows on a
@@ -147,6 +147,21 @@ def pair_variants(base: list, head: list) -> list:
     return pairs
 
 
+def sample(pairs: list, most) -> list:
+    """At most ``most`` of each kernel template's pairs (all for None), evenly spaced over its
+    list, so that a sample keeps its first forms and some of every switch after them."""
+    if most is None:
+        return pairs
+    by_kernel = collections.defaultdict(list)
+    for pair in pairs:
+        by_kernel[pair[2].split("<")[0]].append(pair)
+    kept = set()
+    for group in by_kernel.values():
+        step = max(1.0, len(group) / most)
+        kept.update(id(group[int(i * step)]) for i in range(min(most, len(group))))
+    return [pair for pair in pairs if id(pair) in kept]
+
+
 def build_options(options, kernel_dir) -> list:
     """A side's compile options for these builds: its include path pointed at ``kernel_dir``,
     and the source hash (it only keys CuPy's disk cache) one value on both sides."""
@@ -278,6 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("head", nargs="?", default=None, help="git revision (default: the working tree)")
     parser.add_argument("--arch", nargs="+", default=["sm_80", "sm_90a"])
     parser.add_argument("--source", nargs="+", default=None, help="only these kernels/*.cu files")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="at most N variants of each source and architecture, spread over its list")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--chunk", type=int, default=1,
                         help="variants a program (1, as cuflash builds them; more is faster but couples them)")
@@ -286,8 +303,8 @@ def main(argv=None) -> int:
         base_tree = export_tree(args.base, Path(tmp) / "base")
         head_tree = ROOT if args.head is None else export_tree(args.head, Path(tmp) / "head")
         base, head = describe_tree(base_tree, args.arch), describe_tree(head_tree, args.arch)
-        pairs = {arch: [pair for pair in pair_variants(base["variants"][arch], head["variants"][arch])
-                        if args.source is None or pair[0] in args.source]
+        pairs = {arch: sample([pair for pair in pair_variants(base["variants"][arch], head["variants"][arch])
+                               if args.source is None or pair[0] in args.source], args.sample)
                  for arch in args.arch}
         rows = compare(base_tree / "kernels", head_tree / "kernels", pairs, jobs=args.jobs, chunk=args.chunk,
                        base_options=base["options"], head_options=head["options"])

@@ -82,7 +82,7 @@ def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
     wrong_size = _BrokenVariant()
     wrong_size.name_expression = variant.name_expression.replace(f"{variant.smem_bytes()}>", f"{variant.smem_bytes() + 16}>")
     assert wrong_size.name_expression != variant.name_expression
-    with pytest.raises(RuntimeError, match="TensorCoreForward.smem_bytes"):
+    with pytest.raises(RuntimeError, match="TensorCoreForward.fixed_smem"):
         _loader.compile_offline(variant.source, [wrong_size.name_expression], "sm_80")
     monkeypatch.setattr(_constants, "SMEM_PAD", 16)
     padded = dataclasses.replace(variant)  # smem_bytes follows the new padding: only the pad is wrong
@@ -97,7 +97,7 @@ def test_kernels_check_the_numbers_python_gives_them(monkeypatch):
 
 def test_kernels_check_the_parameter_blocks_python_packs(monkeypatch):
     """A parameter block packed otherwise than the kernels lay it out stops the build: its size,
-    the words a call writes (the pointers first, the varlen pair), and each decoding member."""
+    the words a call writes (the pointers first, the varlen pair), and each member's word."""
     from cuflash import _params
 
     forward = _config.forward_config("bfloat16", 64, 64, False)
@@ -110,15 +110,22 @@ def test_kernels_check_the_parameter_blocks_python_packs(monkeypatch):
             patch.setattr(_params, name, value)
             with pytest.raises(RuntimeError, match=message):
                 _loader.compile_offline(forward.source, [forward.name_expression], "sm_80")
-    fields = list(_params.DECODE_PARAM_FIELDS)
-    fields[11], fields[12] = fields[12], fields[11]  # kv_heads and group
-    with monkeypatch.context() as patch:
-        patch.setattr(_params, "DECODE_PARAM_FIELDS", tuple(fields))
-        with pytest.raises(RuntimeError, match="DecodeParams::kv_heads against _params.DECODE_PARAM_FIELDS"):
-            _loader.compile_offline(decode.source, [decode.name_expression], "sm_80")
+    for name, variant, first, message in (
+            ("DECODE_PARAM_FIELDS", decode, "kv_heads", "DecodeParams::kv_heads against cuflash/_params.py"),
+            ("FWD_PARAM_FIELDS", forward, "scale", "FwdParams::scale against cuflash/_params.py"),
+            ("BWD_PARAM_FIELDS", forward, "do_row_stride", "BwdParams::do_row_stride against cuflash/_params.py")):
+        fields = list(getattr(_params, name))  # a member swapped with the next: both move
+        at = [field[0] for field in fields].index(first)
+        fields[at], fields[at + 1] = fields[at + 1], fields[at]
+        with monkeypatch.context() as patch:
+            patch.setattr(_params, name, tuple(fields))
+            with pytest.raises(RuntimeError, match=message):
+                _loader.compile_offline(variant.source, [variant.name_expression], "sm_80")
 
 
 class _BrokenVariant:
     source = "flash_fwd.cu"
     key = "broken"
-    name_expression = "cuflash::flash_fwd_kernel<cuflash::bf16, 24, 24, 128, 64, 8, 1, false>"
+    # head dim 24: not a whole number of 16-wide mma tiles
+    name_expression = ("cuflash::flash_fwd_kernel<cuflash::FwdTraits<cuflash::bf16, 24, 24, 128, 64, 8, 1, false, 2, "
+                       "false, false, 0>>")
