@@ -92,10 +92,12 @@ def parse_log(text: str) -> Log:
 
 
 def name_expression(kernel: str) -> str:
-    """A kernel as racecheck prints it ('void cuflash::k<cuflash::bf16, (int)128, (bool)1>(
-    cuflash::FwdParams)') in the form of a variant's name expression, spaces dropped
-    ('cuflash::k<cuflash::bf16,128,true>')."""
+    """A kernel as racecheck prints it ('void cuflash::k<cuflash::T<cuflash::bf16, (int)128,
+    (bool)1>>(cuflash::FwdParams)') or a variant's name expression ('cuflash::k<cuflash::T<
+    /*dtype*/ cuflash::bf16, /*head_dim*/ 128, /*causal*/ true>>') in one form, comments and
+    spaces dropped ('cuflash::k<cuflash::T<cuflash::bf16,128,true>>')."""
     name = kernel[len("void "):] if kernel.startswith("void ") else kernel
+    name = re.sub(r"/\*.*?\*/", "", name)
     name = name[:name.rindex(">(") + 1] if ">(" in name else name
     name = name.replace("(bool)1", "true").replace("(bool)0", "false")
     name = re.sub(r"\((?:unsigned )?(?:int|long|long long|short|char)\)", "", name)

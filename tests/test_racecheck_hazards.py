@@ -6,9 +6,9 @@ import pytest
 
 from conftest import load_script
 
-KERNEL = ("void cuflash::flash_bwd_sm90_kernel<cuflash::bf16, (int)128, (int)2, (bool)1, (bool)1, (bool)0, "
-          "(bool)1, (bool)0, (bool)1, (bool)0, (int)199208>(cuflash::FwdParams, cuflash::BwdParams, "
-          "cuflash::sm90::Bwd90Maps)")
+KERNEL = ("void cuflash::flash_bwd_sm90_kernel<cuflash::Bwd90Traits<cuflash::bf16, (int)128, (bool)1, (bool)1, "
+          "(int)2, (bool)0, (bool)1, (bool)0, (bool)1, (bool)0, (int)199208>>(cuflash::FwdParams, "
+          "cuflash::BwdParams, cuflash::sm90::Bwd90Maps)")
 KEY = "bwd_sm90_bf16_d128_s2_atomic_dq_causal_varlen_tma"
 
 
