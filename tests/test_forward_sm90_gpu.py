@@ -57,15 +57,18 @@ def test_lengths(dtype, d, causal, rng):
 
 
 # Each head dim's schedule in every form its launch can take: loaded through TMA, or through
-# cp.async where the copy engine cannot map the inputs; a persistent grid for at most 1024
-# query rows where the table says so (head dims 64 and 128), one item a CTA beyond.
+# cp.async where the copy engine cannot map the inputs; a persistent grid for short queries
+# where the table says so (head dims 64 and 128: up to 1024 query rows, causal head dim 128 up
+# to 512, _config.persistent_query_tiles), one item a CTA beyond.
 @pytest.mark.parametrize("loads", ("tma", "cp.async"))
-@pytest.mark.parametrize("nq", (1000, 1100), ids=("short", "long"))
+@pytest.mark.parametrize("nq", (500, 1000, 1100), ids=("shorter", "short", "long"))
 @pytest.mark.parametrize("d", (64, 128, 256))
 def test_every_form(d, nq, loads, rng):
     dtype = "bfloat16"
-    persistent = _config.forward_config(dtype, d, d, False, wgmma=True, nq=nq).persistent
-    assert persistent == (d != 256 and nq <= 1024)  # both grids are covered below
+    persistent = {causal: _config.forward_config(dtype, d, d, causal, wgmma=True, nq=nq).persistent
+                  for causal in (False, True)}
+    assert persistent[False] == (d != 256 and nq <= 1024)  # both grids are covered below
+    assert persistent[True] == (d != 256 and nq <= (512 if d == 128 else 1024))
     q = random_array(rng, (2, 3, nq, d), dtype)
     k, v = (random_array(rng, (2, 3, 777, d), dtype) for _ in range(2))
     refused = tma_refused() if loads == "cp.async" else contextlib.nullcontext()
@@ -73,7 +76,7 @@ def test_every_form(d, nq, loads, rng):
         for causal in (False, True):
             check_forward(run(q, k, v, causal=causal), q, k, v, causal=causal, dtype=dtype)
     forms = {(v.tma, v.persistent, v.causal) for v in launched if isinstance(v, _variants.HopperForward)}
-    assert forms == {(loads == "tma", persistent, causal) for causal in (False, True)}
+    assert forms == {(loads == "tma", persistent[causal], causal) for causal in (False, True)}
 
 
 @pytest.mark.parametrize("d", (64, 128))
