@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
-RESULTS = REPO_ROOT / "bench" / "results" / "h200.md"
+RESULTS = REPO_ROOT / "bench" / "results" / "h100.md"
 
 
 def fenced_blocks(text: str) -> list:
