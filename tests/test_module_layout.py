@@ -64,25 +64,23 @@ def node_of(path: Path) -> str:
     return parts[0]
 
 
-def _target(package_parts: tuple, module: str, name: str = None) -> str:
-    """The node that ``from <package_parts>.<module> import <name>`` (module may be '') loads."""
-    parts = package_parts + tuple(p for p in module.split(".") if p)
-    if not parts:  # the package itself: a submodule of it by that name, else its __init__
-        if name and ((PACKAGE / f"{name}.py").is_file() or (PACKAGE / name).is_dir()):
-            return name
-        return "__init__"
-    return parts[0]
-
-
-def imports_of(path: Path) -> set:
-    """The package's nodes a file imports, at module level and inside functions alike."""
+def imported_modules(path: Path) -> set:
+    """The package's modules a file imports, at module level and inside functions alike, each as
+    its path of names inside the package: ("_config",), ("bench", "common"); () is the package's
+    __init__. A name imported from a package is its submodule when one has that name."""
     package_parts = path.relative_to(PACKAGE).parent.parts  # () for a top-level module
     found = set()
+
+    def add(parts: tuple, name: str = None) -> None:
+        if name and ((PACKAGE.joinpath(*parts) / f"{name}.py").is_file() or PACKAGE.joinpath(*parts, name).is_dir()):
+            parts += (name,)
+        found.add(parts)
+
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "cuflash" or alias.name.startswith("cuflash."):
-                    found.add(_target((), alias.name.partition(".")[2]))
+                    add(tuple(alias.name.split(".")[1:]))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package_parts[:len(package_parts) - (node.level - 1)]
@@ -91,9 +89,15 @@ def imports_of(path: Path) -> set:
                 base, module = (), node.module.partition(".")[2]
             else:
                 continue
+            parts = base + tuple(p for p in module.split(".") if p)
             for alias in node.names:
-                found.add(_target(base, module, alias.name))
+                add(parts, alias.name)
     return found
+
+
+def imports_of(path: Path) -> set:
+    """The package's nodes a file imports (a subpackage's module counts as the subpackage)."""
+    return {parts[0] if parts else "__init__" for parts in imported_modules(path)}
 
 
 def import_graph() -> dict:
@@ -138,30 +142,67 @@ def test_front_ends_reach_the_layers_below_through_the_spine(front_end, own_laun
     assert import_graph()[front_end] <= allowed, sorted(import_graph()[front_end] - allowed)
 
 
-def test_no_import_cycle():
-    graph = import_graph()
+def find_cycle(graph: dict) -> list:
+    """A cycle of graph (node -> the nodes it imports) as [a, b, ..., a], or [] when none."""
     state: dict = {}  # node -> "open" while on the path, "done" after
 
     def visit(node, path):
         state[node] = "open"
         for target in sorted(graph.get(node, ())):
             if state.get(target) == "open":
-                cycle = path[path.index(target):] + [target]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if target not in state:
-                visit(target, path + [target])
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target, path + [target])):
+                return cycle
         state[node] = "done"
+        return []
 
     for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return []
+
+
+def test_the_cycle_search_finds_a_cycle_through_several_modules():
+    assert find_cycle({"io": {"counts"}, "speed": {"io", "counts"}, "counts": set()}) == []
+    assert find_cycle({"cli": {"io"}, "io": {"speed"}, "speed": {"common", "io"}}) == ["io", "speed", "io"]
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+# ---- the benchmark's modules ---------------------------------------------------------------
+
+BENCH = PACKAGE / "bench"
+
+
+def bench_graph() -> dict:
+    """cuflash/bench's modules and the modules of it each one imports (module and function level)."""
+    return {path.stem: {parts[1] if len(parts) > 1 else "__init__" for parts in imported_modules(path)
+                        if parts[:1] == ("bench",)} - {path.stem}
+            for path in sorted(BENCH.glob("*.py"))}
+
+
+def test_the_bench_graph_sees_function_level_and_relative_imports():
+    graph = bench_graph()
+    assert "speed" in graph["decode"]  # `from .speed import max_abs_diff` inside a function
+    assert {"common", "speed", "io"} <= graph["cli"]  # `from . import common, ..., speed, varlen`
+    assert "cli" in graph["__main__"]  # `from .cli import main`
+
+
+def test_no_import_cycle_inside_the_benchmark():
+    """The FLOP and byte counts (counts) and the timed backends (backends) lie below both the io
+    and the speed table, so neither table module imports the other."""
+    cycle = find_cycle(bench_graph())
+    assert not cycle, "import cycle in cuflash/bench: " + " -> ".join(cycle)
 
 
 MAX_MODULE_LINES = 600
 
 
-def test_no_library_module_over_600_lines():
-    """Every module of the library (the benchmark, cuflash/bench, is a tool beside it)."""
-    library = [p for p in sorted(PACKAGE.rglob("*.py")) if node_of(p) != "bench"]
-    long = {str(p.relative_to(PACKAGE)): n for p in library if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+def test_no_module_over_600_lines():
+    """Every module of the package, the benchmark's (cuflash/bench) included."""
+    long = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
