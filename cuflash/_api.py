@@ -24,6 +24,9 @@ from ._arrays import (AttentionGradients, AttentionOutput, as_cupy, element_stri
 # take the normalising path every time.
 _recent = _spine.PLANS.recent.get
 
+# CUFLASH_VALIDATE, read once: switched off, a call pays one test of this constant.
+_VALIDATE = _spine.validation_enabled()
+
 
 class _Call(NamedTuple):
     """The CuPy front end's entry for a signature: its plan, and what this front end made for
@@ -232,6 +235,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     (cu_q, cu_k), meta = varlen_boundaries(cu_seqlens_q, cu_seqlens_k)
     num_seqs = _spine.check_cu_seqlens(*meta, q.data.device_id)
     _spine.check_varlen_shapes(q.shape, k.shape, v.shape)
+    if _VALIDATE:
+        _spine.check_varlen_inputs(cu_q, cu_k, total_q=q.shape[-2], total_k=k.shape[-2])
     max_q, max_k = _varlen_lengths(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q.shape[-2], k.shape[-2])
     return cu_q, cu_k, _spine.Varlen(num_seqs, max_q, max_k)
 
@@ -464,6 +469,8 @@ def _run_launch(launch, specs, q, k, v, page_table, seqlens_k, workspace, out, s
     workspace (``specs``: their layout) from CuPy's pool unless given."""
     import cupy
 
+    if _VALIDATE:
+        _spine.check_decode_choice(launch.choice, page_table, seqlens_k)
     if out is None:
         specs, nbytes = specs
         if workspace is None:  # one allocation holds them all

@@ -35,7 +35,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
             [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], ...) of k and v.
             The host never reads them: the kernels clamp each into [0, total] and take an end
-            before its start as an empty sequence.
+            before its start as an empty sequence. With ``CUFLASH_VALIDATE=1`` in the
+            environment the host checks them before each launch, forward and backward, and
+            raises a ValueError naming the first boundary out of range or falling.
         max_seqlen_q, max_seqlen_k: host ints, the longest sequences; they size the grid only
             (a longer sequence is still computed whole). None computes them from the
             boundaries with one device-to-host copy.
@@ -76,7 +78,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seqlens_k=No
             never read: that page's keys are masked.
         seqlens_k: int32 (batch,) on q's device, each sequence's key count; required with
             ``page_table``, optional for a dense cache (default Nk). Read by the kernels only:
-            a value is clamped into [0, capacity].
+            a value is clamped into [0, capacity]. With ``CUFLASH_VALIDATE=1`` in the
+            environment the host checks both before each launch and raises a ValueError
+            naming the first length past the capacity or page index in use outside the pool.
         num_splits: the number of key splits of each (batch, k/v head), an int from 1 to
             ``cuflash._constants.MAX_DECODE_SPLITS``; None chooses it from the shapes and the
             GPU's SM count.

@@ -25,6 +25,8 @@ from ._decode import DecodeChoice, DecodePlan, bound_plan, check_num_splits, pla
 from ._forward import ForwardPlan, build_forward
 from ._launch import Plan
 from ._problem import Problem, Varlen
+from ._validate import check_decode_choice, check_varlen_inputs
+from ._validate import enabled as validation_enabled
 from .masks import window_option
 
 # What the front ends take from here: the functions below, and these names of the layers below.
@@ -35,7 +37,8 @@ __all__ = [
     "plan_counts", "AttentionOutput", "AttentionGradients", "align", "contiguous_strides", "longest_sequence",
     "NO_WINDOW", "as_block_mask", "window_option", "check_cu_seqlens", "check_dtypes", "check_like_q",
     "check_max_seqlen", "check_varlen_options", "check_varlen_shapes", "dtype_name", "vector_alignment_error",
-    "bound_plan", "check_num_splits", "plan_decode", "routes_short_queries",
+    "bound_plan", "check_num_splits", "plan_decode", "routes_short_queries", "check_decode_choice",
+    "check_varlen_inputs", "validation_enabled",
 ]
 # ---- problems ----------------------------------------------------------------------------------
 

@@ -11,6 +11,12 @@ import torch
 from . import _broadcast, _spine, _views
 from ._spine import PLANS
 
+# CUFLASH_VALIDATE, read once: switched off, a call pays one test of this constant. Switched
+# on, eager calls check their page tables, lengths and boundaries before launching, and so do
+# the operators when a compiled graph runs them (not while torch.compile traces: the checks
+# copy values to the host); cuflash._validate skips them while a CUDA graph captures.
+_VALIDATE = _spine.validation_enabled()
+
 
 def _out_lead_shape(q_shape, k_shape, v_shape):
     """Leading dims of o, l, m (torch.broadcast_shapes: fake tensors' sizes may be symbolic)."""
@@ -142,6 +148,8 @@ def _varlen_forward_impl(q, k, v, causal, scale, window, cu_q, cu_k, max_seqlen_
         entry = PLANS.get_or_build(key, _new_forward_plan, q, k, v, causal, scale, None, window, False,
                                    _spine.Varlen(num_seqs, max_q))
     plan = entry[0]
+    if _VALIDATE and not torch.compiler.is_compiling():
+        _spine.check_varlen_inputs(cu_q, cu_k, total_q=q.shape[-2], total_k=k.shape[-2])
     device = q.device
     o = torch.empty(plan.o_shape, dtype=q.dtype, device=device)
     l = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
@@ -164,6 +172,8 @@ def _decode_impl(q, k, v, causal, scale, window, page_table=None, seqlens_k=None
         key = launch = None
     if launch is None:
         launch = PLANS.get_or_build(key, _decode_plan, tensors, causal, scale, window, num_splits)
+    if _VALIDATE and not torch.compiler.is_compiling():
+        _spine.check_decode_choice(launch.choice, page_table, seqlens_k)
     return _decode_run(launch, q, k, v, page_table, seqlens_k)
 
 
@@ -248,6 +258,8 @@ def _backward_signature(do, q, k, v, o, l, m, causal, scale, mask, window, deter
     if plan is None:
         plan = PLANS.get_or_build(key, _new_backward_plan, tensors, causal, scale, mask, window, deterministic,
                                   None if packed is None else _spine.Varlen(*packed))
+    if varlen is not None and _VALIDATE and not torch.compiler.is_compiling():
+        _spine.check_varlen_inputs(cu_q, cu_k, total_q=q.shape[-2], total_k=k.shape[-2])
     if short is not None and not copied:  # a dO laid out like this one needs no copy either
         PLANS.get_or_build(short, lambda found: found, plan)
     return plan, do, cu_seqlens

@@ -9,8 +9,11 @@ kernels/slice.cuh). A server that builds a wrong table gets a wrong answer, not 
 These checks raise a ValueError naming the argument, the first bad entry (its index and value)
 and the bound it breaks. Each copies its array to the host, which waits for the GPU: a tool
 for debugging, switched on by ``CUFLASH_VALIDATE=1`` in the environment (read once, at
-import; see :func:`enabled`) or called directly. While CuPy's current stream is capturing a
-CUDA graph a host copy would break the capture, so the checks do nothing then.
+import; see :func:`enabled`), which makes the CuPy and torch front ends run them before each
+launch that reads such arrays, or called directly. While CuPy's or torch's current stream is
+capturing a CUDA graph a host copy would break the capture, so the checks do nothing then; the
+torch adapter does not run them while torch.compile traces, and cuflash.jax never does (its
+launches run inside jax.jit, on traced arrays).
 
 The arrays may be CuPy arrays, torch tensors, or anything NumPy reads (NumPy, JAX arrays).
 """
@@ -23,7 +26,7 @@ import sys
 import numpy as np
 
 __all__ = ["enabled", "check_seqlens_k", "check_page_table", "check_cu_seqlens", "check_decode_inputs",
-           "check_varlen_inputs"]
+           "check_decode_choice", "check_varlen_inputs"]
 
 _ENABLED = os.environ.get("CUFLASH_VALIDATE", "0") not in ("", "0")
 
@@ -128,6 +131,13 @@ def check_decode_inputs(page_table=None, seqlens_k=None, *, capacity: int, num_p
         if seqlens_k is None:
             raise ValueError("a paged cache needs seqlens_k to say which page-table entries are read")
         check_page_table(page_table, seqlens_k, num_pages=num_pages, page_size=page_size)
+
+
+def check_decode_choice(choice, page_table, seqlens_k) -> None:
+    """:func:`check_decode_inputs` against the cache a decoding plan was made for (a
+    cuflash._decode.DecodeChoice: its capacity, its pool's pages and their size)."""
+    check_decode_inputs(page_table, seqlens_k, capacity=choice.capacity, num_pages=choice.fields["num_pages"],
+                        page_size=1 << choice.fields["page_shift"])
 
 
 def check_varlen_inputs(cu_seqlens_q, cu_seqlens_k, *, total_q: int, total_k: int) -> None:

@@ -277,7 +277,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             grouped heads as :func:`attention`'s.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) arrays, traced under jax.jit: sequence b
             owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], ...) of
-            k and v, clamped into [0, total] by the kernels (never read by the host).
+            k and v, clamped into [0, total] by the kernels (never read by the host, not even
+            with ``CUFLASH_VALIDATE=1``: the launches run inside jax.jit, on traced arrays).
         max_seqlen_q, max_seqlen_k: host ints sizing the grid, static (one trace a value): under
             jax.jit close over them or name them in ``static_argnames``. None reads them from
             concrete boundaries (eager calls only).
@@ -313,7 +314,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seqlens_k=No
         page_table: int32 (batch, max_pages), traced; a page index outside [0, num_pages) is
             never read (its keys are masked).
         seqlens_k: int32 (batch,), traced; required with ``page_table``, optional for a dense
-            cache (default Nk); clamped into [0, capacity] by the kernels.
+            cache (default Nk); clamped into [0, capacity] by the kernels. ``CUFLASH_VALIDATE``
+            does not check them here: the launches run inside jax.jit, on traced arrays.
         num_splits: key splits of each (batch, k/v head), 1 to
             ``cuflash._constants.MAX_DECODE_SPLITS``, static (under jax.jit close over it or
             name it in ``static_argnames``); None chooses at trace time from the shapes and

@@ -334,6 +334,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) CUDA tensors on q's device: sequence b
             owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], ...)
             of k and v, clamped into [0, total] by the kernels (never read by the host).
+            With ``CUFLASH_VALIDATE=1`` eager calls and their backward check them first and
+            raise a ValueError naming the first boundary out of range or falling.
         max_seqlen_q, max_seqlen_k: host ints sizing the grid; None computes them from the
             boundaries (one host sync; under torch.compile inside the operator).
         causal, window: aligned at each sequence's bottom right. scale: default 1 / sqrt(d).
@@ -372,7 +374,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         page_table: int32 (batch, max_pages), contiguous, on q's device; a page index outside
             [0, num_pages) is never read (its keys are masked).
         seqlens_k: int32 (batch,) on q's device; required with ``page_table``, optional for a
-            dense cache (default Nk); clamped into [0, capacity] by the kernels.
+            dense cache (default Nk); clamped into [0, capacity] by the kernels. With
+            ``CUFLASH_VALIDATE=1`` eager calls check both first and raise a ValueError naming
+            the first length past the capacity or page index in use outside the pool.
         num_splits: key splits of each (batch, k/v head), 1 to
             ``cuflash._constants.MAX_DECODE_SPLITS``; None chooses from the shapes and the GPU.
         causal, window: aligned at each sequence's end. scale: default 1 / sqrt(d).

@@ -227,3 +227,119 @@ def test_torch_calls_run_through_the_spine(torch_gpu, gpu):
     qv = torch.randn(2, 128, 64, dtype=torch.bfloat16)
     o = ct.attention(qv, qv, qv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=78, max_seqlen_k=78)
     assert gpu.launches[-1]["words"][_params.CU_SEQLENS_WORD:_params.CU_SEQLENS_WORD + 2] == (cu.data_ptr(),) * 2
+
+
+# ---- CUFLASH_VALIDATE: the values of page tables, lengths and boundaries checked before launching
+
+
+@pytest.fixture
+def device_values(monkeypatch):
+    """The stood-in arrays' values as a device-to-host copy would return them: set
+    ``values[array.data.ptr]`` to a NumPy array."""
+    values = {}
+    monkeypatch.setattr(_Array, "get", lambda self, *args, **kwargs: values[self.data.ptr], raising=False)
+    return values
+
+
+def _int_array(values, host, at):
+    array = _array(np.shape(host), np.int32, at)
+    values[array.data.ptr] = np.asarray(host, np.int32)
+    return array
+
+
+def _expect(validate, launches, error, call):
+    """With the switch on, ``call`` raises ``error`` and nothing is launched; off, it launches."""
+    if validate:
+        with pytest.raises(ValueError, match=error):
+            call()
+        assert launches == []
+    else:
+        call()
+        assert launches
+
+
+@pytest.mark.parametrize("validate", (True, False))
+def test_cupy_decoding_checks_its_page_table_and_lengths_when_switched_on(gpu, device_values, monkeypatch, validate):
+    import cuflash
+    from cuflash import _api
+
+    monkeypatch.setattr(_api, "_VALIDATE", validate)
+    q, k, v = _qkv((4, 8, 1, 128), (64, 2, 64, 128))  # 64 pages of 64 keys; 16 a sequence: capacity 1024
+    table = np.arange(64, dtype=np.int32).reshape(4, 16)
+    table[1, 3] = 64  # sequence 1 (200 keys) reads entries 0..3
+    bad_table = _int_array(device_values, table, 3 << 24)
+    lengths = _int_array(device_values, [100, 200, 64, 1024], 4 << 24)
+    good_table = _int_array(device_values, np.arange(64).reshape(4, 16), 5 << 24)
+    past_capacity = _int_array(device_values, [100, 200, 1025, 0], 6 << 24)
+    _expect(validate, gpu.launches, r"page_table\[1, 3\] = 64 is outside \[0, 64\).*sequence 1 of length 200",
+            lambda: cuflash.attention_with_kvcache(q, k, v, page_table=bad_table, seqlens_k=lengths))
+    gpu.launches.clear()
+    _expect(validate, gpu.launches, r"seqlens_k\[2\] = 1025 is outside \[0, 1024\]",
+            lambda: cuflash.attention_with_kvcache(q, k, v, page_table=good_table, seqlens_k=past_capacity))
+    gpu.launches.clear()
+    qd, kd, vd = _qkv((4, 8, 1, 128), (4, 2, 4096, 128))  # a dense cache: capacity Nk
+    dense_lengths = _int_array(device_values, [4096, 4097, 0, 1], 7 << 24)
+    _expect(validate, gpu.launches, r"seqlens_k\[1\] = 4097 is outside \[0, 4096\]",
+            lambda: cuflash.attention_with_kvcache(qd, kd, vd, seqlens_k=dense_lengths))
+
+
+@pytest.mark.parametrize("validate", (True, False))
+def test_cupy_packed_batches_check_their_boundaries_forward_and_backward(gpu, device_values, monkeypatch, validate):
+    import cuflash
+    from cuflash import _api
+
+    monkeypatch.setattr(_api, "_VALIDATE", validate)
+    q, k, v = _qkv((4, 1000, 64))
+    falling = _int_array(device_values, [0, 600, 500, 1000], 3 << 24)
+    good = _int_array(device_values, [0, 500, 600, 1000], 4 << 24)
+    past_rows = _int_array(device_values, [0, 500, 1001, 1000], 5 << 24)
+    _expect(validate, gpu.launches, r"cu_seqlens_q must not decrease: cu_seqlens_q\[2\] = 500 is less than "
+                                    r"cu_seqlens_q\[1\] = 600",
+            lambda: cuflash.attention_varlen(q, k, v, falling, good, 600, 600))
+    gpu.launches.clear()
+    o, l, m = _array((4, 1000, 64), np.float16, 6 << 24), *(_array((4, 1000), np.float32, at << 24) for at in (7, 8))
+    do = _array((4, 1000, 64), np.float16, 9 << 24)
+    _expect(validate, gpu.launches, r"cu_seqlens_k\[2\] = 1001 is outside \[0, 1000\]",
+            lambda: cuflash.attention_backward(do, q, k, v, o, l, m, cu_seqlens_q=good, cu_seqlens_k=past_rows,
+                                               max_seqlen_q=500, max_seqlen_k=501))
+
+
+@pytest.mark.parametrize("validate", (True, False))
+def test_torch_calls_check_page_tables_lengths_and_boundaries_when_switched_on(torch_gpu, gpu, monkeypatch,
+                                                                               validate):
+    torch, ct = torch_gpu
+    from cuflash import _torch_launch
+
+    monkeypatch.setattr(_torch_launch, "_VALIDATE", validate)
+    q = torch.randn(4, 8, 1, 128, dtype=torch.bfloat16)
+    cache = torch.randn(64, 2, 64, 128, dtype=torch.bfloat16)
+    table = torch.arange(64, dtype=torch.int32).reshape(4, 16)
+    table[2, 0] = -1
+    lengths = torch.tensor([100, 200, 1, 1024], dtype=torch.int32)
+    _expect(validate, gpu.launches, r"page_table\[2, 0\] = -1 is outside \[0, 64\)",
+            lambda: ct.attention_with_kvcache(q, cache, cache, page_table=table, seqlens_k=lengths))
+    gpu.launches.clear()
+    cu = torch.tensor([0, 80, 50, 128], dtype=torch.int32)
+    qv = torch.randn(2, 128, 64, dtype=torch.bfloat16)
+    _expect(validate, gpu.launches, r"cu_seqlens_q\[2\] = 50 is less than cu_seqlens_q\[1\] = 80",
+            lambda: ct.attention_varlen(qv, qv, qv, cu, cu, 80, 80))
+    gpu.launches.clear()
+    cu = torch.tensor([0, 50, 128], dtype=torch.int32)
+    leaf = qv.clone().requires_grad_()
+    o = ct.attention_varlen(leaf, leaf, leaf, cu, cu, 78, 78)
+    cu.data[2] = 129  # changed between the forward and its backward (.data: past autograd's version check)
+    gpu.launches.clear()
+    _expect(validate, gpu.launches, r"cu_seqlens_q\[2\] = 129 is outside \[0, 128\]",
+            lambda: torch.autograd.grad(o, leaf, torch.ones_like(o)))
+
+
+def test_torch_skips_the_checks_while_torch_compile_traces(torch_gpu, gpu, monkeypatch):
+    torch, ct = torch_gpu
+    from cuflash import _torch_launch
+
+    monkeypatch.setattr(_torch_launch, "_VALIDATE", True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q, cache = torch.randn(4, 8, 1, 128, dtype=torch.bfloat16), torch.randn(64, 2, 64, 128, dtype=torch.bfloat16)
+    lengths = torch.tensor([100, 200, 1, 5000], dtype=torch.int32)  # past the capacity of 1024
+    ct.attention_with_kvcache(q, cache, cache, page_table=torch.zeros(4, 16, dtype=torch.int32), seqlens_k=lengths)
+    assert gpu.launches
