@@ -111,11 +111,11 @@ def stream_on(device_id):
 
 
 def longest_sequence(cu, total: int) -> int:
-    """The longest sequence that boundaries ``cu`` (a CuPy or NumPy array) delimit in ``total``
-    packed rows, by the kernels' clamping rule (kernels/slice.cuh); for a CuPy array one
-    device-to-host copy."""
+    """The longest sequence that boundaries ``cu`` (a 1-D CuPy or NumPy array or torch tensor)
+    delimit in ``total`` packed rows, by the kernels' clamping rule (kernels/slice.cuh); for a
+    device array one device-to-host copy."""
     bounded = cu.clip(0, total)
-    return max(0, int((bounded[1:] - bounded[:-1]).max())) if cu.size > 1 else 0
+    return max(0, int((bounded[1:] - bounded[:-1]).max())) if len(cu) > 1 else 0
 
 
 # ---- outputs -------------------------------------------------------------------------------

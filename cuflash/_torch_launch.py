@@ -121,19 +121,10 @@ def _varlen_boundaries(q, cu_seqlens_q, cu_seqlens_k):
     return _spine.check_cu_seqlens(*meta, q.device)
 
 
-def _longest_sequence(cu, total: int) -> int:
-    """As cuflash._spine.longest_sequence (the kernels' clamping rule), on a torch tensor: one
-    device-to-host copy."""
-    if cu.numel() < 2:
-        return 0
-    bounded = cu.clamp(0, total)
-    return max(0, int((bounded[1:] - bounded[:-1]).max()))
-
-
 def _max_seqlens(cu_q, cu_k, max_seqlen_q, max_seqlen_k, q, k):
     """The operators' max_seqlen arguments (-1: compute from the boundaries) as host ints."""
-    max_q = _longest_sequence(cu_q, q.shape[-2]) if max_seqlen_q < 0 else max_seqlen_q
-    max_k = _longest_sequence(cu_k, k.shape[-2]) if max_seqlen_k < 0 else max_seqlen_k
+    max_q = _spine.longest_sequence(cu_q, q.shape[-2]) if max_seqlen_q < 0 else max_seqlen_q
+    max_k = _spine.longest_sequence(cu_k, k.shape[-2]) if max_seqlen_k < 0 else max_seqlen_k
     return max_q, max_k
 
 

@@ -1,7 +1,7 @@
 """Opt-in checks of the values that live on the GPU: page tables, sequence lengths, cu_seqlens.
 
 The kernels trust none of these values and never read out of bounds because of them, but they
-are silent about it: a length past the cache's capacity counts as the capacity, a page index
+do not report them: a length past the cache's capacity counts as the capacity, a page index
 outside [0, num_pages) masks that page's keys, a packed-batch boundary outside [0, total] is
 clamped and an end before its start is an empty sequence (kernels/flash_decode.cu,
 kernels/slice.cuh). A server that builds a wrong table gets a wrong answer, not an error.

@@ -6,7 +6,7 @@ they were.
 The checks that run before any GPU work are tried everywhere. Without a GPU their arrays are
 CuPy arrays over host memory (:func:`host_backed`): metadata only, so a bad input that got
 past its checks fails the test at the call's first CUDA call (CUDARuntimeError) instead of
-being silently accepted. With a GPU they are device arrays. The checks that run after the call
+being accepted without a word. With a GPU they are device arrays. The checks that run after the call
 has entered its device (decoding, out=) and the adapters (torch, JAX) need a GPU.
 """
 
